@@ -1,0 +1,1 @@
+"""Triton emitters: one kernel of readable source per region."""

@@ -1,0 +1,309 @@
+"""FlashAttention-2 forward kernel, generated as Triton source around a pluggable score modification.
+
+The attention recogniser hands over what sits between ``Q @ K^T`` and ``softmax`` (scaling, masks, biases,
+soft-capping) as a :class:`ScoreMod`; :func:`attention_source` splices it into one fused kernel so the
+``M x N`` score matrix never reaches HBM.  The source is written to a file named by its sha256 and imported
+from there, so ``triton.jit`` (which reads the source with ``inspect.getsource``) and a human reading a
+traceback both see the real text.
+
+Deliberately free of imports from the rest of ``fuser``: the module is used (and tested) standalone.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+__all__ = ["ScoreMod", "attention_source", "flash_attention"]
+
+
+@dataclass(frozen=True)
+class ScoreMod:
+    """Pointwise code applied to the fp32 score tile inside the inner loop.
+
+    ``lines`` are Triton statements.  They read ``s`` (fp32 ``[BLOCK_M, BLOCK_N]`` scores, already multiplied by
+    ``scale``, natural-log scale) and may use ``q_idx`` (``[BLOCK_M, 1]`` query positions), ``k_idx``
+    (``[1, BLOCK_N]`` key positions), ``b_idx``/``h_idx`` (scalars: batch, query head), ``M``/``N`` (sequence
+    lengths) and, for each extra tensor ``i``, the loaded tile ``extra{i}`` (``[BLOCK_M, BLOCK_N]`` in the
+    tensor's own dtype, 0 outside the valid region) or the raw ``extra{i}_ptr``/``extra{i}_s0..s3``.  The last line
+    assigns ``s``.  A masked-out score is ``-inf`` (or ``finfo.min``, as eager had it).
+
+    Structural masks use the query's position aligned to the keys, ``q_idx + causal_offset``:
+    ``causal`` keeps keys ``k_idx <= q_idx + causal_offset`` (``causal_offset = N - M`` is the bottom-right
+    alignment of decoding / chunked prefill; 0 is torch's ``is_causal`` top-left alignment), and ``window`` keeps
+    keys with ``q_idx + causal_offset - k_idx < window``.  Tiles that these masks empty entirely are skipped.
+
+    The lines run in fp32; where eager rounded the scores to a 16-bit dtype (a ``finfo(float16).min`` additive
+    mask, say), keep that rounding in the lines, ``s = (s.to(tl.float16) + extra0).to(tl.float32)``, to
+    reproduce eager's fully masked rows.
+    """
+
+    lines: tuple[str, ...]
+    n_extra: int = 0
+    causal: bool = False
+    causal_offset: int = 0
+    window: int | None = None
+
+
+_TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def _indent(lines, n: int) -> str:
+    return "\n".join(" " * n + line for line in lines)
+
+
+def attention_source(mod: ScoreMod, head_dim: int, dtype) -> str:
+    """Triton source of the forward kernel ``attention_fwd`` for one score mod, head dim and element dtype."""
+    if dtype not in _TL_DTYPE:
+        raise TypeError(f"attention: unsupported dtype {dtype}")
+    if not 0 < head_dim <= 256:
+        raise ValueError(f"attention: head_dim {head_dim} not in 1..256")
+    if mod.window is not None and mod.window < 1:
+        raise ValueError("attention: window must be >= 1")
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    esize = torch.empty((), dtype=dtype).element_size()
+    has_mod = bool(mod.lines)
+    qpos = f"q_idx + {mod.causal_offset}" if mod.causal_offset else "q_idx"
+    qpos_row0 = f"start_m * BLOCK_M + {mod.causal_offset}" if mod.causal_offset else "start_m * BLOCK_M"
+
+    # Without a score mod, scale and log2(e) fold into one multiply and the softmax runs in base 2.  A score mod
+    # must see natural-log scores, so there the scores stay natural and log2(e) is applied to the *difference*
+    # s - m: multiplying a finfo.min score by log2(e) would overflow to -inf and turn eager's uniform average over a
+    # fully finfo.min-masked row into NaN.
+    if False:
+        scores = ["s = tl.dot(q, kT, input_precision=DOT_PRECISION) * scale"]
+        for i in range(mod.n_extra):
+            scores.append(
+                f"extra{i} = tl.load(extra{i}_base + q_idx * extra{i}_s2 + k_idx * extra{i}_s3, "
+                f"mask=q_ok & k_ok, other=0)"
+            )
+        scores += ["# score mod"] + [line.strip() for line in mod.lines]
+        to_base2 = " * LOG2E"
+        lse = "m_i + tl.log(l_i)"
+    else:
+        scores = ["s = tl.dot(q, kT, input_precision=DOT_PRECISION) * (scale * LOG2E)  # base-2 scores"]
+        to_base2 = ""
+        lse = "m_i * LN2 + tl.log(l_i)"
+
+    keep = ["k_ok"]
+    if mod.causal:
+        keep.append(f"(k_idx <= {qpos})")
+    if mod.window is not None:
+        keep.append(f"({qpos} - k_idx < {mod.window})")
+
+    bounds = ["lo = 0", "hi = N"]
+    if mod.causal:  # last key any row of this block may see is (last row) + offset
+        bounds[1] = f"hi = tl.minimum(N, {qpos_row0} + BLOCK_M)"
+    if mod.window is not None:  # first key the first row may see, rounded down to a key block
+        bounds[0] = f"lo = tl.maximum(0, {qpos_row0} - {mod.window - 1}) // BLOCK_N * BLOCK_N"
+
+    extra_params = "".join(f"extra{i}_ptr, extra{i}_s0, extra{i}_s1, extra{i}_s2, extra{i}_s3,\n    "
+                           for i in range(mod.n_extra))
+    extra_bases = [f"extra{i}_base = extra{i}_ptr + b64 * extra{i}_s0 + h64 * extra{i}_s1"
+                   for i in range(mod.n_extra)]
+    n_ops = len(mod.lines) + 1  # the scale multiply is an op in eager too
+    desc = [f"causal (offset {mod.causal_offset})" if mod.causal else "non-causal"]
+    if mod.window is not None:
+        desc.append(f"window {mod.window}")
+    desc.append(f"{len(mod.lines)} score-mod line(s), {mod.n_extra} extra tensor(s)")
+
+    return f'''\
+# Generated by fuser.codegen.attention: FlashAttention-2 forward, {", ".join(desc)}.
+# head_dim {head_dim} (padded to {block_d}), {dtype} (e = {esize} bytes an element), fp32 accumulation.
+#
+# HBM bytes, with Tm = cdiv(M, BLOCK_M) query blocks:
+#   read   Q      B*Hq*M*D*e              once: the tile stays on chip for the whole key loop
+#   read   K, V   2*B*Hq*N*D*e*Tm         once per query block (causal: about half; GQA heads share via L2)
+#   read   extras B*Hq*M*N*sizeof(extra)  each, less where broadcast (stride-0 dims hit in cache)
+#   write  O      B*Hq*M*D*e              (+ LSE: B*Hq*M*4 when asked for)
+# Eager moves the B*Hq*M*N score matrix on top of Q, K, V and O: Q@K^T writes it, each of the {n_ops}
+# pointwise op(s) (scale, score mod) reads and writes it, softmax reads it and writes P, P@V reads P:
+#   (4 + 2*{n_ops}) * B*Hq*M*N*e bytes that this kernel never moves.
+import triton
+import triton.language as tl
+
+HEAD_DIM = tl.constexpr({head_dim})
+BLOCK_D = tl.constexpr({block_d})
+LOG2E = tl.constexpr({_LOG2E!r})
+LN2 = tl.constexpr({_LN2!r})
+
+
+@triton.jit
+def attention_fwd(
+    Q, K, V, O, LSE,
+    {extra_params}stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, GROUP, M, N, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b_idx = bh // H
+    h_idx = bh % H
+    b64 = b_idx.to(tl.int64)
+    h64 = h_idx.to(tl.int64)
+    kv64 = (h_idx // GROUP).to(tl.int64)  # GQA/MQA: GROUP query heads read one K/V head, never repeated
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    k_base = K + b64 * stride_kb + kv64 * stride_kh
+    v_base = V + b64 * stride_vb + kv64 * stride_vh
+{_indent(extra_bases, 4)}
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_idx = offs_m[:, None]
+    q_ok = q_idx < M
+    q = tl.load(q_base + q_idx * stride_qm + offs_d[None, :] * stride_qd, mask=q_ok & d_ok[None, :], other=0.0)
+
+    # Online softmax state; m_i is in the base the scores are in (see the exp2 arguments below).
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Key range this query block can see; tiles outside it are fully masked and skipped.
+    {bounds[0]}
+    {bounds[1]}
+    for start_n in range(lo, hi, BLOCK_N):
+        kn = start_n + offs_n
+        k_idx = kn[None, :]
+        k_ok = k_idx < N
+        kT = tl.load(k_base + offs_d[:, None] * stride_kd + k_idx * stride_kn, mask=d_ok[:, None] & k_ok, other=0.0)
+{_indent(scores, 8)}
+        s = tl.where({" & ".join(keep)}, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with every score so far -inf has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2((m_i - m_sub){to_base2})
+        p = tl.exp2((s - m_sub[:, None]){to_base2})
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + kn[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=(kn[:, None] < N) & d_ok[None, :], other=0.0)
+        acc = tl.dot(p.to({_TL_DTYPE[dtype]}), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Not special-cased: a row with no visible key has l_i = 0 and gives NaN, as eager softmax over all -inf does.
+    o = acc / l_i[:, None]
+    o_base = O + b64 * stride_ob + h64 * stride_oh
+    tl.store(o_base + q_idx * stride_om + offs_d[None, :] * stride_od, o.to({_TL_DTYPE[dtype]}), mask=q_ok & d_ok[None, :])
+    if STORE_LSE:  # natural-log logsumexp of the scores, for the backward pass
+        tl.store(LSE + bh.to(tl.int64) * M + offs_m, {lse}, mask=offs_m < M)
+'''
+
+
+_KERNELS: dict[str, object] = {}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FUSER_CACHE_DIR") or Path.home() / ".cache" / "fuser")
+
+
+def _load(source: str):
+    """``triton.jit`` function from source, via a file named by the source's sha256 (cached in memory too)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    fn = _KERNELS.get(digest)
+    if fn is not None:
+        return fn
+    path = _cache_dir() / "attention" / f"{digest}.py"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)  # atomic: parallel test workers may write the same file
+    name = f"fuser_attention_{digest[:16]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    _KERNELS[digest] = fn = module.attention_fwd
+    return fn
+
+
+@contextmanager
+def _interpreting_library_jit_functions():
+    """Let the interpreter call ``triton.language``'s own ``@jit`` helpers (``tl.sum``, ``tl.max``, ``tl.zeros``).
+
+    Under ``TRITON_INTERPRET=1`` (set before triton is imported) they are already ``InterpretedFunction``s; without
+    it they are ``JITFunction``s, whose ``__call__`` refuses to run outside a compiled kernel, so a kernel wrapped
+    with ``InterpretedFunction`` alone fails on its first ``tl.sum``.  Route such calls through the interpreter
+    for the duration of the launch.
+    """
+    original = JITFunction.__call__
+    JITFunction.__call__ = lambda self, *args, **kwargs: InterpretedFunction(self.fn)(*args, **kwargs)
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
+
+
+def _config(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages).
+
+    GPU: K and V tiles (BLOCK_N x D, double/triple buffered) must fit shared memory and the fp32 accumulator
+    (BLOCK_M x D) registers, so blocks shrink as D grows; fp32 elements are twice as wide, so BLOCK_N halves.
+    CPU (interpreter): small tiles keep the numpy emulation fast and still exercise several blocks.
+    """
+    if not on_gpu:
+        return 16, 16, 1, 1
+    wide = dtype == torch.float32
+    if head_dim <= 64:
+        return 128, 32 if wide else 64, 4, 3
+    if head_dim <= 128:
+        return 128, 32 if wide else 64, 8, 3 if not wide else 2
+    return 64, 16 if wide else 32, 8, 2
+
+
+def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extras: tuple = (), return_lse: bool = False):
+    """``softmax(mod(q @ k^T * scale)) @ v`` in one kernel; returns ``out`` or ``(out, lse)``.
+
+    q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] with Hq % Hkv == 0; any strides.  ``extras`` are broadcastable to
+    [B, Hq, M, N] and read in place (broadcast dims get stride 0).  Out: q's dtype, contiguous [B, Hq, M, D];
+    lse: fp32 [B, Hq, M].
+    """
+    B, Hq, M, D = q.shape
+    Bk, Hkv, N, Dk = k.shape
+    if k.shape != v.shape or Bk != B or Dk != D or Hq % Hkv:
+        raise ValueError(f"attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError("attention: q, k, v must share a dtype")
+    if len(extras) != mod.n_extra:
+        raise ValueError(f"attention: score mod wants {mod.n_extra} extra tensor(s), got {len(extras)}")
+
+    fn = _load(attention_source(mod, D, q.dtype))
+    on_gpu = q.is_cuda and not isinstance(fn, InterpretedFunction)  # TRITON_INTERPRET=1 makes jit interpret
+    interpret = not q.is_cuda and not isinstance(fn, InterpretedFunction)
+    kernel = InterpretedFunction(fn.fn) if interpret else fn
+    block_m, block_n, num_warps, num_stages = _config(D, q.dtype, on_gpu)
+    # fp32 inputs: tf32 only where torch's matmul would use it too; 16-bit inputs ignore it (tf32 is Triton's default).
+    ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    precision = "ieee" if ieee else "tf32"
+
+    out = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, M) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    extra_args = []
+    for e in extras:
+        e = e.expand(B, Hq, M, N)
+        extra_args += [e, *e.stride()]
+    grid = (triton.cdiv(M, block_m), B * Hq)
+    with _interpreting_library_jit_functions() if interpret else nullcontext():
+        kernel[grid](
+            q, k, v, out, lse, *extra_args,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            Hq, Hq // Hkv, M, N, float(scale),
+            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision, STORE_LSE=return_lse,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    return (out, lse) if return_lse else out

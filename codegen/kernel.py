@@ -1,0 +1,497 @@
+"""Emits one Triton kernel, as readable source, for a region (pointwise or row reduction).
+
+Every value is defined by index: the value of node n at index tuple i is generated on demand, its
+operands at the indices the op maps i to (broadcasting, views, slices, cat).  Only region inputs are
+loaded, at addresses built from their real strides, and only region outputs are stored.  Values with
+the same (node, index) are computed once (CSE).  16-bit floats are held in fp32 and rounded once at
+the store, or where the graph itself casts.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from fuser import indexing as ix
+from fuser import ops
+from fuser.graph import meta, shape
+from fuser.region import Region
+
+from .blocks import BlockPlan, block_plan
+
+X = sympy.Symbol("x", integer=True, nonnegative=True)
+R = sympy.Symbol("r", integer=True, nonnegative=True)
+
+
+class CodegenError(Exception):
+    """The region cannot be emitted as one kernel; the caller leaves it to eager."""
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorSig":
+        return TensorSig(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+@dataclass
+class KernelSource:
+    name: str
+    source: str
+    plan: BlockPlan
+    grid: int
+
+
+REDUCE_HELPERS = {
+    "_max_combine": """
+@triton.jit
+def _max_combine(a, b):
+    return tl.where((a > b) | (a != a), a, b)
+""",
+    "_min_combine": """
+@triton.jit
+def _min_combine(a, b):
+    return tl.where((a < b) | (a != a), a, b)
+""",
+}
+
+
+def _promote(args, node) -> torch.dtype:
+    """The dtype comparisons and logical ops compute in (torch's promotion, scalars included)."""
+    tensors = [meta(a).dtype for a in args if isinstance(a, torch.fx.Node) and meta(a) is not None]
+    dt = tensors[0] if tensors else torch.float32
+    for t in tensors[1:]:
+        dt = torch.promote_types(dt, t)
+    scalars = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    if any(isinstance(s, float) for s in scalars) and not dt.is_floating_point:
+        dt = torch.get_default_dtype()
+    elif scalars and dt == torch.bool:
+        dt = torch.int64
+    return dt
+
+
+def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
+    if src == dst:
+        return expr
+    if dst == torch.bool:
+        return f"({expr} != 0)"
+    return f"{expr}.to({ops.TL_DTYPE[dst]})"
+
+
+class KernelWriter:
+    def __init__(self, region: Region, inputs: list, outputs: list, device_type: str, name: str):
+        self.region, self.cg, self.space = region, region.cg, region.space
+        self.in_sig = dict(zip(region.inputs, inputs))
+        self.out_sig = dict(zip(region.outputs, outputs))
+        self.plan = block_plan(region, device_type)
+        self.name = name
+        self.reduction = self.space.is_reduction
+        self.ranges = {X: max(self.space.rows, 1), R: max(self.space.r, 1)}
+        self.lines: list[str] = []
+        self.depth = 1
+        self.scopes: list[dict] = [{}]
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.count = 0
+        self.reduced: dict = {}  # (node, component) -> register holding the per-row result
+        self.ptr = {n: f"in{i}_ptr" for i, n in enumerate(region.inputs)}
+        self.ptr.update({n: f"out{i}_ptr" for i, n in enumerate(region.outputs)})
+
+    # ------------------------------------------------------------------ canonical indices
+    def full_index(self) -> tuple:
+        if not self.reduction:
+            return ix.delinearize(X, self.space.full, self.ranges)
+        kept = iter(ix.delinearize(X, self.space.kept, self.ranges))
+        red = iter(ix.delinearize(R, tuple(self.space.full[d] for d in self.space.reduced), self.ranges))
+        return tuple(next(red) if d in self.space.reduced else next(kept) for d in range(len(self.space.full)))
+
+    def row_index(self, shp) -> tuple:
+        """Index of a per-row value of shape `shp` (keepdim or not) at the current row."""
+        kept = ix.delinearize(X, self.space.kept, self.ranges)
+        if tuple(shp) == self.space.kept:
+            return kept
+        it = iter(kept)
+        return tuple(sympy.Integer(0) if d in self.space.reduced else next(it) for d in range(len(self.space.full)))
+
+    # ------------------------------------------------------------------ emission helpers
+    def emit(self, line: str):
+        self.lines.append("    " * self.depth + line)
+
+    def new(self, expr: str, dtype: torch.dtype) -> str:
+        name = f"t{self.count}"
+        self.count += 1
+        self.emit(f"{name} = {expr}")
+        self.dtypes[name] = dtype
+        return name
+
+    def lookup(self, key):
+        for scope in reversed(self.scopes):
+            if key in scope:
+                return scope[key]
+        return None
+
+    def remember(self, key, name):
+        self.scopes[-1][key] = name
+        return name
+
+    def mask_for(self, expr_strs, cond) -> str:
+        text = " ".join(expr_strs)
+        parts = []
+        if re.search(r"\bx\b", text):
+            parts.append("xmask")
+        if re.search(r"\br\b", text):
+            parts.append("rmask")
+        if cond:
+            parts.append(cond)
+        return " & ".join(parts) if parts else "None"
+
+    # ------------------------------------------------------------------ values by index
+    def value(self, n, idx: tuple, cond: str | None = None) -> str:
+        idx = tuple(sympy.sympify(i) for i in idx)
+        key = (n, idx, cond)
+        hit = self.lookup(key)
+        if hit is not None:
+            return hit
+        if n in self.region.members:
+            name = self._member(n, idx, cond)
+        elif self.cg.transparent(n):
+            name = self._inline(n, idx, cond)
+        else:
+            name = self._load(n, idx, cond)
+        return self.remember(key, name)
+
+    def _load(self, n, idx, cond) -> str:
+        sig = self.in_sig[n]
+        addr = sum((i * s for i, s, size in zip(idx, sig.stride, sig.shape) if size != 1), sympy.Integer(0))
+        addr = ix.texpr(ix.combine(addr, self.ranges))
+        mask = self.mask_for([addr], cond)
+        masked = "" if mask == "None" else f", mask={mask}, other=0"
+        raw = f"tl.load({self.ptr[n]} + ({addr}){masked})"
+        cdt = ops.compute_dtype(sig.dtype)
+        return self.new(convert(raw, sig.dtype, cdt), cdt)
+
+    def _inline(self, n, idx, cond) -> str:
+        kind = self.cg.info[n]
+        if isinstance(kind, ops.Pointwise):  # a generator: full, arange, ...
+            return self._pointwise(n, kind, idx, cond)
+        return self._layout(n, kind, idx, cond)
+
+    def _layout(self, n, kind, idx, cond) -> str:
+        branches, other = kind.index_map(n, idx, self.ranges)
+        cdt = ops.compute_dtype(meta(n).dtype)
+        result = None if other is None else ops.literal(other)
+        for k, (src, src_idx, bounds) in enumerate(reversed(branches)):
+            first = k == len(branches) - 1
+            if bounds is None:
+                here = None
+            else:
+                bounds = bounds if isinstance(bounds[0], tuple) else (bounds,)
+                here = " & ".join(f"(({ix.texpr(idx[d])}) >= {lo}) & (({ix.texpr(idx[d])}) < {hi})"
+                                  for lo, hi, d in bounds)
+            sub_cond = cond if here is None else (f"({cond}) & {here}" if cond else here)
+            v = self.value(src, src_idx, sub_cond)
+            v = convert(v, self.dtypes[v], cdt)
+            if result is None or (first and other is None and here is None):
+                result = v
+            elif here is None:
+                result = v
+            else:
+                result = f"tl.where({here}, {v}, {result})"
+        return self.new(result, cdt)
+
+    def _member(self, n, idx, cond) -> str:
+        kind = self.cg.info[n]
+        if n.target is operator.getitem:
+            return self._reduced(n.args[0], n.args[1], idx)
+        if isinstance(kind, ops.Reduction):
+            return self._reduced(n, 0, idx)
+        if isinstance(kind, ops.Layout):
+            return self._layout(n, kind, idx, cond)
+        return self._pointwise(n, kind, idx, cond)
+
+    def _pointwise(self, n, kind: ops.Pointwise, idx, cond) -> str:
+        out_dt = meta(n).dtype
+        tensor_args = [a for a in n.args if isinstance(a, torch.fx.Node)]
+        op_dt = ops.compute_dtype(_promote(n.args, n) if kind.promote_inputs else out_dt)
+        rendered = []
+        for pos, a in enumerate(n.args):
+            if isinstance(a, torch.fx.Node) and meta(a) is not None:
+                v = self.value(a, ix.broadcast_index(idx, shape(n), shape(a)), cond)
+                keep_bool = meta(a).dtype == torch.bool and (
+                    n.target.overloadpacket in (ops.aten.where, ops.aten.masked_fill) and pos == (0 if n.target.overloadpacket is ops.aten.where else 1))
+                if kind.cast:
+                    rendered.append(v)
+                elif keep_bool:
+                    rendered.append(v)
+                else:
+                    rendered.append(convert(v, self.dtypes[v], op_dt))
+            elif isinstance(a, (bool, int, float)):
+                rendered.append(ops.literal(a))
+            else:
+                rendered.append(a)
+        del tensor_args
+        expr = kind.fmt(ops.Args(n, rendered, idx))
+        if kind.cast:
+            src = self.dtypes[rendered[0]] if rendered and rendered[0] in self.dtypes else op_dt
+            rounded = convert(expr, src, out_dt)
+            expr = convert(rounded, out_dt, ops.compute_dtype(out_dt)) if out_dt != ops.compute_dtype(out_dt) else rounded
+            return self.new(expr, ops.compute_dtype(out_dt))
+        res_dt = ops.compute_dtype(out_dt)
+        if kind.promote_inputs and out_dt == torch.bool:
+            return self.new(expr, torch.bool)
+        if kind.promote_inputs:
+            return self.new(convert(expr, op_dt, res_dt), res_dt)
+        return self.new(expr, op_dt if op_dt == res_dt else res_dt)
+
+    # ------------------------------------------------------------------ reductions
+    def _reduced(self, n, component: int, idx) -> str:
+        want = tuple(sympy.sympify(i) for i in self.row_index(self._component_shape(n, component)))
+        if tuple(idx) != want:
+            raise CodegenError(f"{n.name}: a reduction result is read at another row's index")
+        key = (n, component)
+        if key not in self.reduced:
+            if not self.space.persistent:
+                raise CodegenError(f"{n.name}: reduction needed before its loop")
+            self._emit_reduction(n)
+        return self.reduced[key]
+
+    @staticmethod
+    def _component_shape(n, component):
+        v = n.meta["val"]
+        return tuple((v[component] if isinstance(v, (tuple, list)) else v).shape)
+
+    def _reduction_input(self, n):
+        full = self.full_index()
+        return self.value(n.args[0], ix.broadcast_index(full, self.space.full, shape(n.args[0])))
+
+    def _out_dtype(self, n):
+        v = n.meta["val"]
+        return (v[0] if isinstance(v, (tuple, list)) else v).dtype
+
+    def _emit_reduction(self, n, looped_part: str | None = None):
+        """Persistent: reduce the row held in registers.  Looped: see `_loop_reduction`."""
+        combine = self.cg.info[n].combine
+        v = self._reduction_input(n)
+        out_dt = ops.compute_dtype(self._out_dtype(n))
+        if combine == "gather":
+            index = n.args[2]
+            iv = self.value(index, self.row_index_for(index))
+            rd = ix.texpr(self.full_index()[self.space.reduced[0]])
+            v = convert(v, self.dtypes[v], out_dt)
+            self.reduced[(n, 0)] = self.new(
+                f"tl.sum(tl.where(rmask & (({rd}) == {iv}), {v}, 0), 1)[:, None]", out_dt)
+            return
+        if combine in ("sum", "var"):
+            acc_dt = out_dt if combine == "sum" else ops.compute_dtype(meta(n.args[0]).dtype)
+            v = convert(v, self.dtypes[v], acc_dt)
+            s = self.new(f"tl.sum(tl.where(rmask, {v}, 0), 1)[:, None]", acc_dt)
+            if combine == "sum":
+                scale = f" / {self.space.r}.0" if self.cg.info[n].mean else ""
+                self.reduced[(n, 0)] = self.new(f"{s}{scale}", out_dt) if scale else s
+                return
+            mean = self.new(f"{s} / {self.space.r}.0", acc_dt)
+            dev = self.new(f"tl.where(rmask, {v} - {mean}, 0)", acc_dt)
+            self._finish_var(n, self.new(f"tl.sum({dev} * {dev}, 1)[:, None]", acc_dt), mean, acc_dt)
+            return
+        if combine in ("max", "min"):
+            ident = _identity(combine, self.dtypes[v])
+            helper = "_max_combine" if combine == "max" else "_min_combine"
+            self.reduced[(n, 0)] = self.new(f"tl.reduce(tl.where(rmask, {v}, {ident}), 1, {helper})[:, None]", self.dtypes[v])
+            return
+        if combine in ("argmax", "argmin"):
+            ident = _identity("max" if combine == "argmax" else "min", self.dtypes[v])
+            fn = "tl.argmax" if combine == "argmax" else "tl.argmin"
+            self.reduced[(n, 0)] = self.new(f"{fn}(tl.where(rmask, {v}, {ident}), 1)[:, None].to(tl.int64)", torch.int64)
+            return
+        if combine == "any":
+            self.reduced[(n, 0)] = self.new(f"tl.max(tl.where(rmask & ({v} != 0), 1, 0), 1)[:, None] > 0", torch.bool)
+            return
+        raise CodegenError(f"no lowering for reduction {combine}")
+
+    def _finish_var(self, n, sq, mean, acc_dt):
+        correction = n.kwargs.get("correction", 1)
+        correction = 1 if correction is None else correction
+        denom = max(self.space.r - correction, 0)
+        var = self.new(f"{sq} / {float(denom)!r}" if denom else f"{sq} / 0.0", acc_dt)
+        self.reduced[(n, 0)] = var
+        self.reduced[(n, 1)] = mean
+
+    def row_index_for(self, n) -> tuple:
+        """Index of an operand that varies only by row (gather's index), at the current row."""
+        return ix.broadcast_index(self.full_index(), self.space.full, shape(n)) if False else \
+            tuple(self.full_index()[d] if s != 1 else sympy.Integer(0) for d, s in enumerate(shape(n)))
+
+    # ------------------------------------------------------------------ looped reductions
+    def _loop(self, body):
+        self.emit(f"for roffset in range(0, {self.space.r}, RBLOCK):")
+        self.depth += 1
+        self.scopes.append({})
+        self.emit("r = roffset + tl.arange(0, RBLOCK)[None, :]")
+        self.emit(f"rmask = r < {self.space.r}")
+        body()
+        self.scopes.pop()
+        self.depth -= 1
+
+    def _looped(self):
+        by_level: dict[int, list] = {}
+        for n in self.region.nodes:
+            if isinstance(self.cg.info[n], ops.Reduction):
+                combine = self.cg.info[n].combine
+                if combine in ("argmax", "argmin"):
+                    raise CodegenError(f"{combine} over rows longer than {self.plan.rblock * 0 + 16384} is left to eager")
+                lvl = self.region.levels[n]
+                by_level.setdefault(lvl, []).append((n, "main"))
+                if combine == "var":
+                    by_level.setdefault(lvl - 1, []).append((n, "mean"))
+        for lvl in sorted(by_level):
+            items = by_level[lvl]
+            accs = []
+            for n, part in items:
+                combine = "sum" if part == "mean" else self.cg.info[n].combine
+                dt = torch.float64 if meta(n.args[0]).dtype == torch.float64 else (
+                    ops.compute_dtype(self._out_dtype(n)) if combine in ("sum", "gather") else ops.compute_dtype(meta(n.args[0]).dtype))
+                ident = "0" if combine in ("sum", "var", "gather", "any") else _identity(combine, dt)
+                acc = f"acc{self.count}"
+                self.count += 1
+                tl_dt = ops.TL_DTYPE[torch.int32 if combine == "any" else dt]
+                self.emit(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {tl_dt})")
+                accs.append((n, part, combine, acc, dt))
+
+            def body():
+                for n, part, combine, acc, dt in accs:
+                    v = self._reduction_input(n)
+                    v = convert(v, self.dtypes[v], dt if combine != "any" else self.dtypes[v])
+                    if part == "main" and combine == "var":
+                        mean = self.reduced[(n, 1)]
+                        self.emit(f"{acc} = {acc} + tl.where(rmask, ({v} - {mean}) * ({v} - {mean}), 0)")
+                    elif combine in ("sum", "var"):
+                        self.emit(f"{acc} = {acc} + tl.where(rmask, {v}, 0)")
+                    elif combine == "gather":
+                        iv = self.value(n.args[2], self.row_index_for(n.args[2]))
+                        rd = ix.texpr(self.full_index()[self.space.reduced[0]])
+                        self.emit(f"{acc} = {acc} + tl.where(rmask & (({rd}) == {iv}), {v}, 0)")
+                    elif combine in ("max", "min"):
+                        helper = "_max_combine" if combine == "max" else "_min_combine"
+                        self.emit(f"{acc} = {helper}({acc}, tl.where(rmask, {v}, {_identity(combine, dt)}))")
+                    elif combine == "any":
+                        self.emit(f"{acc} = tl.maximum({acc}, tl.where(rmask & ({v} != 0), 1, 0))")
+            self._loop(body)
+            for n, part, combine, acc, dt in accs:
+                out_dt = ops.compute_dtype(self._out_dtype(n))
+                if part == "mean":
+                    s = self.new(f"tl.sum({acc}, 1)[:, None]", dt)
+                    self.reduced[(n, 1)] = self.new(f"{s} / {self.space.r}.0", dt)
+                elif combine == "var":
+                    self._finish_var(n, self.new(f"tl.sum({acc}, 1)[:, None]", dt), self.reduced[(n, 1)], dt)
+                elif combine in ("sum", "gather"):
+                    s = self.new(f"tl.sum({acc}, 1)[:, None]", dt)
+                    mean = self.cg.info[n].mean
+                    self.reduced[(n, 0)] = self.new(f"{s} / {self.space.r}.0", out_dt) if mean else s
+                elif combine in ("max", "min"):
+                    helper = "_max_combine" if combine == "max" else "_min_combine"
+                    self.reduced[(n, 0)] = self.new(f"tl.reduce({acc}, 1, {helper})[:, None]", dt)
+                elif combine == "any":
+                    self.reduced[(n, 0)] = self.new(f"tl.max({acc}, 1)[:, None] > 0", torch.bool)
+
+    # ------------------------------------------------------------------ stores
+    def _store(self, o, idx):
+        sig = self.out_sig[o]
+        v = self.value(o, idx)
+        addr = sum((i * s for i, s, size in zip(idx, sig.stride, sig.shape) if size != 1), sympy.Integer(0))
+        addr = ix.texpr(ix.combine(addr, self.ranges))
+        mask = self.mask_for([addr, v if not v.startswith("t") else ""], None)
+        if self.reduction and shape(o) != self.space.full:
+            mask = "xmask"
+        elif self.reduction:
+            mask = "xmask & rmask"
+        else:
+            mask = "xmask"
+        val = convert(v, self.dtypes[v], sig.dtype)
+        if sig.dtype != torch.bool:
+            val = f"{val}" if self.dtypes[v] == sig.dtype else val
+        self.emit(f"tl.store({self.ptr[o]} + ({addr}), {val}, {mask})")
+
+    # ------------------------------------------------------------------ the kernel
+    def generate(self) -> KernelSource:
+        wide = any(_max_offset(s) >= 2**31 for s in [*self.in_sig.values(), *self.out_sig.values()])
+        pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+        full_outs = [o for o in self.region.outputs if shape(o) == self.space.full or not self.reduction]
+        row_outs = [o for o in self.region.outputs if o not in full_outs]
+        if not self.reduction:
+            self.emit(f"x = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
+            self.emit(f"xmask = x < {self.space.rows}")
+            for o in full_outs:
+                self._store(o, self.full_index())
+        else:
+            self.emit(f"x = {pid} * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
+            self.emit(f"xmask = x < {self.space.rows}")
+            if self.plan.persistent:
+                self.emit("r = tl.arange(0, RBLOCK)[None, :]")
+                self.emit(f"rmask = r < {self.space.r}")
+                for o in full_outs:
+                    self._store(o, self.full_index())
+            else:
+                self._looped()
+                if full_outs:
+                    self._loop(lambda: [self._store(o, self.full_index()) for o in full_outs])
+            for o in row_outs:
+                self._store(o, self.row_index(shape(o)))
+        return self._assemble()
+
+    def _assemble(self) -> KernelSource:
+        body = "\n".join(self.lines)
+        params = [self.ptr[n] for n in self.region.inputs] + [self.ptr[n] for n in self.region.outputs]
+        params += ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.reduction else [])
+        helpers = {**ops.HELPERS, **REDUCE_HELPERS}
+        used = [src for name, src in helpers.items() if re.search(rf"\b{name}\(|\b{name}\)", body)]
+        header = self._header()
+        src = (header + "import triton\nimport triton.language as tl\n" + "".join(used) +
+               f"\n\n@triton.jit\ndef {self.name}({', '.join(params)}):\n{body}\n")
+        return KernelSource(self.name, src, self.plan, self.plan.programs)
+
+    def _header(self) -> str:
+        from fuser.cost import region_cost, tensor_bytes
+        cost = region_cost(self.region, self.plan.programs)
+        passes = self.region.passes()
+        lines = [f"# region {self.region.id}: {self.region.kind}, {len(self.region.nodes)} ops: "
+                 + ", ".join(dict.fromkeys(ops.op_name(n).replace("aten.", "") for n in self.region.nodes))]
+        sp = self.space
+        if sp.is_reduction:
+            lines.append(f"# iteration: {sp.rows} rows x {sp.r} reduced (full shape {list(sp.full)}, "
+                         f"reduced dims {list(sp.reduced)}), {'row in registers' if self.plan.persistent else 'looped over the row'}")
+        else:
+            lines.append(f"# iteration: {sp.rows} elements, shape {list(sp.full)}")
+        lines.append("# HBM traffic of this kernel:")
+        for n in self.region.inputs:
+            p = passes[n]
+            lines.append(f"#   read  {n.name}: {list(shape(n))} {meta(n).dtype}".replace("torch.", "")
+                         + (f" x{p} passes" if p > 1 else ""))
+        for n in self.region.outputs:
+            lines.append(f"#   write {n.name}: {list(shape(n))} {meta(n).dtype}".replace("torch.", "")
+                         + f" = {int(tensor_bytes(n))} B")
+        lines.append(f"# bytes fused {int(cost.bytes_fused)} vs unfused {int(cost.bytes_unfused)} "
+                     f"({cost.launches_unfused} eager kernels): k = {cost.k:.2f}")
+        return "\n".join(lines) + "\n"
+
+
+def _identity(combine: str, dtype: torch.dtype) -> str:
+    if dtype.is_floating_point:
+        return '-float("inf")' if combine == "max" else 'float("inf")'
+    if dtype == torch.bool:
+        return "0" if combine == "max" else "1"
+    info = torch.iinfo(dtype)
+    return str(info.min if combine == "max" else info.max)
+
+
+def _max_offset(sig: TensorSig) -> int:
+    return sum((s - 1) * abs(st) for s, st in zip(sig.shape, sig.stride)) + 1
+
+
+def generate(region: Region, inputs: list, outputs: list, device_type: str, name: str) -> KernelSource:
+    return KernelWriter(region, inputs, outputs, device_type, name).generate()

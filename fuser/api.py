@@ -1,0 +1,86 @@
+"""`fuser.fuse(model)`: a module with the model's outputs, whose memory-bound work runs fused."""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from . import backend
+from .report import FusionReport
+
+
+class _Function(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+class FusedModule(torch.nn.Module):
+    """Runs `model` through Dynamo with the fuser backend; recaptures for new shapes or dtypes."""
+
+    def __init__(self, model: torch.nn.Module, options: dict | None = None):
+        super().__init__()
+        self.model = model
+        self._graph_reports: list[FusionReport] = []
+        self._latest: list[FusionReport] = []
+        compiled = torch.compile(model, backend=backend.make_backend(self._graph_reports.append, options),
+                                 dynamic=False)
+        object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second copy of the weights
+
+    def forward(self, *args, **kwargs):
+        _check_devices(self.model, args, kwargs)
+        before = len(self._graph_reports)
+        out = self._compiled(*args, **kwargs)
+        if len(self._graph_reports) > before:
+            self._latest = self._graph_reports[before:]
+        return out
+
+    @property
+    def report(self) -> FusionReport:
+        """The report of the graphs captured for the latest new input signature."""
+        return FusionReport.merge(self._latest)
+
+    @property
+    def reports(self) -> list[FusionReport]:
+        """Reports of every graph captured so far (one per graph, graph breaks and recaptures included)."""
+        return list(self._graph_reports)
+
+    @property
+    def code(self) -> str:
+        """The rewritten graphs as Python: each fused region is one `self.fused_<i>(...)` call."""
+        return "\n".join(self.report.code)
+
+
+def _check_devices(model, args, kwargs):
+    devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    devices |= {p.device for p in model.parameters()} | {b.device for b in model.buffers() if b.dim() > 0}
+    if len(devices) > 1:
+        raise ValueError(f"fuser: inputs and weights are on mixed devices {sorted(map(str, devices))}; "
+                         "move them to one device")
+
+
+def fuse(model, example_inputs: tuple | None = None, **options) -> FusedModule:
+    """Fuse `model` (an nn.Module or a callable).  With example_inputs it captures now."""
+    if isinstance(model, FusedModule):
+        return model
+    if not isinstance(model, torch.nn.Module):
+        if not callable(model):
+            raise TypeError(f"fuser.fuse expects an nn.Module or a callable, got {type(model).__name__}")
+        model = _Function(model)
+    fused = FusedModule(model, options or None)
+    if example_inputs is not None:
+        with torch.no_grad():
+            fused(*example_inputs)
+    return fused
+
+
+def last_report() -> FusionReport | None:
+    """The report of the most recently compiled graph, through fuse() or torch.compile."""
+    all_ = backend.all_reports()
+    return all_[-1] if all_ else None
+
+
+def reports() -> list[FusionReport]:
+    return backend.all_reports()

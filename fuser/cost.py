@@ -1,0 +1,91 @@
+"""The cost model: HBM bytes and kernel launches, unfused vs fused, as sympy expressions.
+
+On memory-bound work time is bytes over bandwidth.  Unfused, every compute node is an eager kernel
+that reads its inputs and writes its output; a chain of k same-shape ops moves 2kN elements.  Fused,
+the region reads each input once per pass over it and writes each output once: 2N, so k = 2kN / 2N.
+A region is kept only where its modelled time beats the eager time of its nodes.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from .graph import ComputeGraph, meta
+from .region import Region
+
+HBM_BYTES_PER_S = 3.0e12   # about what an H100/H200 copy moves; only ratios matter for decisions
+LAUNCH_S = 4e-6            # one eager kernel launch (and its gap) on a GPU
+NUM_SMS = 132              # programs needed to keep every SM busy
+
+
+def numel(n) -> sympy.Expr:
+    """Element count of a node's tensor, symbolic where its sizes are."""
+    return sympy.Mul(*(sympy.sympify(getattr(s, "node", s).expr if hasattr(s, "node") else s)
+                       for s in meta(n).shape))
+
+
+def tensor_bytes(n, elems=None) -> sympy.Expr:
+    return (numel(n) if elems is None else sympy.sympify(elems)) * meta(n).element_size()
+
+
+def evaluate(e) -> int:
+    """An expression's value at the captured sizes."""
+    return int(sympy.sympify(e))
+
+
+@dataclass
+class Cost:
+    bytes_unfused: sympy.Expr
+    bytes_fused: sympy.Expr
+    launches_unfused: int
+    programs: int
+
+    @property
+    def k(self) -> float:
+        fused = evaluate(self.bytes_fused)
+        return float(evaluate(self.bytes_unfused)) / fused if fused else 1.0
+
+    def time_unfused(self) -> float:
+        return evaluate(self.bytes_unfused) / HBM_BYTES_PER_S + self.launches_unfused * LAUNCH_S
+
+    def time_fused(self) -> float:
+        occupancy = min(1.0, self.programs / NUM_SMS)
+        return evaluate(self.bytes_fused) / (HBM_BYTES_PER_S * occupancy) + LAUNCH_S
+
+
+def eager_cost(cg: ComputeGraph, n) -> tuple[sympy.Expr, int]:
+    """Bytes and launches of one compute node run as its own eager kernel."""
+    if n.target is operator.getitem:
+        return sympy.Integer(0), 0
+    reads = sum((tensor_bytes(a, cg.read_elems(n, a)) for a in cg.data_inputs(n)), sympy.Integer(0))
+    outs = meta(n)
+    if outs is not None:
+        writes = tensor_bytes(n)
+    else:  # multi-output ops (var_mean): every tensor they return
+        writes = sum((t.numel() * t.element_size() for t in n.meta["val"] if isinstance(t, torch.Tensor)), 0)
+    return reads + writes, 1
+
+
+def region_cost(region: Region, programs: int) -> Cost:
+    cg = region.cg
+    unfused, launches = sympy.Integer(0), 0
+    for n in region.nodes:
+        b, l = eager_cost(cg, n)
+        unfused, launches = unfused + b, launches + l
+    passes = region.passes()
+    fused = sympy.Integer(0)
+    for a in region.inputs:
+        elems = max(cg.read_elems(c, a) for c in region.nodes if a in cg.data_inputs(c))
+        fused += tensor_bytes(a, elems) * passes[a]
+    for o in region.outputs:
+        fused += tensor_bytes(o)
+    return Cost(unfused, fused, launches, programs)
+
+
+def programs(region: Region) -> int:
+    """Programs the kernel launches, as the codegen's block choice will make them (for occupancy)."""
+    from fuser.codegen.blocks import block_plan  # one place picks block sizes
+    return block_plan(region, "cuda").programs

@@ -1,0 +1,151 @@
+"""What the partitioner and the cost model see of an fx graph: compute nodes and the data between them.
+
+Views (and constant generators such as `full` or `arange`) cost nothing and can be re-derived by
+index math anywhere, so they are transparent: an edge through a chain of views links the compute
+nodes at its ends, and a view never becomes a region's output.
+"""
+from __future__ import annotations
+
+import operator
+from functools import cached_property
+
+import torch
+import torch.fx as fx
+
+from . import ops
+
+aten = torch.ops.aten
+GENERATORS = {aten.full, aten.full_like, aten.scalar_tensor, aten.arange}
+
+
+def meta(n) -> torch.Tensor | None:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(n) -> tuple[int, ...]:
+    return tuple(meta(n).shape)
+
+
+def is_tensor(n) -> bool:
+    return meta(n) is not None
+
+
+def tensor_args(n: fx.Node) -> list[fx.Node]:
+    """Tensor operands in order (cat's list flattened); generators read only shapes, so none."""
+    if getattr(n.target, "overloadpacket", None) in GENERATORS:
+        return []
+    out = []
+    for a in (*n.args, *n.kwargs.values()):
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(x, fx.Node) and is_tensor(x):
+                out.append(x)
+    return out
+
+
+class ComputeGraph:
+    """The fx graph with transparent nodes contracted away, plus each node's op-table entry."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.nodes = list(graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+        self.info = {n: self._classify(n) for n in self.nodes}
+
+    def _classify(self, n):
+        if n.op != "call_function":
+            return ops.Opaque("graph input or output")
+        if n.target is operator.getitem:
+            parent = n.args[0]
+            kind = self.info.get(parent)
+            if isinstance(kind, ops.Reduction) and is_tensor(n):
+                return ops.Layout(None)
+            return ops.Opaque("a component of an op left to eager")
+        if not is_tensor(n):
+            if isinstance(meta_val := n.meta.get("val"), (tuple, list)) and \
+                    getattr(n.target, "overloadpacket", None) is aten.var_mean:
+                return ops.classify(n)
+            return ops.Opaque("its result is not a single tensor")
+        v = meta(n)
+        if v.dtype.is_complex or v.dtype not in ops.TL_DTYPE:
+            return ops.Opaque(f"dtype {v.dtype} has no Triton lowering here")
+        if v.device.type not in ("cuda", "cpu"):
+            return ops.Opaque(f"device {v.device.type} is not supported")
+        kind = ops.classify(n)
+        if isinstance(kind, (ops.Pointwise, ops.Layout, ops.Reduction)):
+            for a in tensor_args(n):
+                if meta(a).dtype not in ops.TL_DTYPE:
+                    return ops.Opaque(f"operand dtype {meta(a).dtype} has no Triton lowering here")
+                if meta(a).device != v.device and meta(a).dim() > 0:
+                    return ops.Opaque("operands on another device")
+        if n.target is aten._to_copy.default and n.kwargs.get("device") not in (None, v.device) \
+                and tensor_args(n) and meta(tensor_args(n)[0]).device != v.device:
+            return ops.Opaque("a device transfer")
+        return kind
+
+    def fusible(self, n) -> bool:
+        return isinstance(self.info[n], (ops.Pointwise, ops.Layout, ops.Reduction))
+
+    def transparent(self, n) -> bool:
+        """Costs nothing in eager and is re-derived by index math: views and generators."""
+        k = self.info[n]
+        if isinstance(k, ops.Layout) and n.target is not operator.getitem:
+            return not k.copies
+        return isinstance(k, ops.Pointwise) and n.target.overloadpacket in GENERATORS
+
+    def is_compute(self, n) -> bool:
+        return n.op == "call_function" and not self.transparent(n)
+
+    @cached_property
+    def _data_inputs(self) -> dict:
+        out = {}
+        for n in self.nodes:
+            found = []
+            for a in tensor_args(n) if n.op == "call_function" else []:
+                found.extend(out[a] if self.transparent(a) else [a])
+            out[n] = list(dict.fromkeys(found))
+        return out
+
+    def data_inputs(self, n) -> list:
+        """The non-transparent nodes whose data n reads (through views)."""
+        return self._data_inputs[n]
+
+    @cached_property
+    def _consumers(self) -> dict:
+        out = {n: [] for n in self.nodes}
+        for n in self.nodes:
+            if n.op == "output":
+                for a in n.all_input_nodes:
+                    for base in ([a] if not self.transparent(a) else self._data_inputs[a]):
+                        out[base].append(n)
+                        if self.transparent(a):
+                            out[a].append(n)
+            elif not self.transparent(n):
+                for a in self._data_inputs[n]:
+                    out[a].append(n)
+        return {k: list(dict.fromkeys(v)) for k, v in out.items()}
+
+    def consumers(self, n) -> list:
+        """Compute nodes (and the output node) that read n's data, through views."""
+        return self._consumers[n]
+
+    def read_elems(self, consumer, base) -> int:
+        """Elements a consumer reads of `base`: the smallest tensor on the view chain between them."""
+        best = None
+        for a in tensor_args(consumer):
+            chain = self._chain_to(a, base)
+            if chain is not None:
+                m = min(meta(c).numel() for c in chain)
+                best = m if best is None else max(best, m)
+        return best if best is not None else meta(base).numel()
+
+    def _chain_to(self, n, base):
+        if n is base:
+            return [n]
+        if not self.transparent(n):
+            return None
+        for a in tensor_args(n):
+            c = self._chain_to(a, base)
+            if c is not None:
+                return [n, *c]
+        return None

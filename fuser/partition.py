@@ -1,0 +1,138 @@
+"""The partitioner: groups compute nodes into regions where one kernel pays.
+
+Walks the graph in order and tries to merge each fusible node's group with the groups of its
+producers.  A merge is kept when (1) the nodes can share one iteration space, (2) the merged group
+leaves the graph acyclic, and (3) the cost model's time for the merged kernel beats the two apart.
+The support predicate is pluggable (`supported`), as in torch.fx's CapabilityBasedPartitioner.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import networkx as nx
+import torch.fx as fx
+
+from . import ops
+from .cost import Cost, eager_cost, region_cost
+from .graph import ComputeGraph
+from .region import Region, analyze
+
+
+class Partitioner:
+    def __init__(self, graph: fx.Graph, supported: Callable[[fx.Node], bool] | None = None):
+        self.cg = ComputeGraph(graph)
+        self.supported = supported or (lambda n: True)
+        self.dag = nx.DiGraph()
+        for n in self.cg.nodes:
+            if self.cg.is_compute(n) or n.op in ("placeholder", "get_attr", "output"):
+                self.dag.add_node(n)
+        for n in list(self.dag.nodes):
+            for c in self.cg.consumers(n):
+                self.dag.add_edge(n, c)
+        self.group: dict = {}
+        self.members: dict[int, set] = {}
+        self.reasons: dict = {}
+
+    def candidate(self, n) -> bool:
+        return self.cg.is_compute(n) and self.cg.fusible(n) and self.supported(n)
+
+    # ------------------------------------------------------------------ verbs
+    def time(self, nodes) -> float:
+        if len(nodes) == 1 or all(n.target is _getitem for n in list(nodes)[1:]):
+            return sum(eager_time(self.cg, n) for n in nodes)
+        region = self.region(nodes)
+        return float("inf") if region is None else self.cost(region).time_fused()
+
+    def region(self, nodes, rid=0) -> Region | None:
+        space = analyze(self.cg, list(nodes))
+        return None if space is None else Region(self.cg, list(nodes), space, rid)
+
+    @staticmethod
+    def cost(region: Region) -> Cost:
+        from fuser.codegen.blocks import block_plan
+        return region_cost(region, block_plan(region, "cuda").programs)
+
+    def creates_cycle(self, a: set, b: set) -> bool:
+        """Would a path leave the merged group and come back into it?"""
+        merged = a | b
+        limit = max(self.cg.order[n] for n in merged)
+        stack = [s for n in merged for s in self.dag.successors(n) if s not in merged]
+        seen = set()
+        while stack:
+            n = stack.pop()
+            if n in seen or self.cg.order[n] > limit:
+                continue
+            if n in merged:
+                return True
+            seen.add(n)
+            stack.extend(self.dag.successors(n))
+        return False
+
+    def try_merge(self, ga: int, gb: int) -> bool:
+        a, b = self.members[ga], self.members[gb]
+        merged = a | b
+        if self.region(merged) is None or self.creates_cycle(a, b):
+            return False
+        if self.time(merged) >= self.time(a) + self.time(b) and not _forced(a, b):
+            return False
+        for n in b:
+            self.group[n] = ga
+        self.members[ga] = merged
+        del self.members[gb]
+        return True
+
+    def partition(self) -> list[Region]:
+        for n in self.cg.nodes:
+            if not self.candidate(n):
+                continue
+            gid = len(self.group)
+            self.group[n] = gid
+            self.members[gid] = {n}
+            for p in self.cg.data_inputs(n) if n.target is not _getitem else [n.args[0]]:
+                if p in self.group and self.group[p] != self.group[n]:
+                    merged = self.try_merge(self.group[p], self.group[n])
+                    if not merged and n.target is _getitem:
+                        self.reasons[n] = "a component of an op that stays eager"
+        regions = []
+        for gid, nodes in self.members.items():
+            compute = [n for n in nodes if n.target is not _getitem]
+            if len(compute) < 2:
+                for n in compute:
+                    self.reasons.setdefault(n, "alone: no producer or consumer it pays to fuse with (k = 1)")
+                continue
+            region = self.region(nodes, len(regions))
+            if region is None:
+                continue
+            if self.cost(region).time_fused() >= sum(eager_time(self.cg, n) for n in nodes):
+                for n in compute:
+                    self.reasons[n] = "fusing its group would not pay by the cost model"
+                continue
+            regions.append(region)
+        return regions
+
+    def unfused(self, regions) -> list[tuple[fx.Node, str]]:
+        """Every compute node left to eager, with the reason."""
+        inside = {n for r in regions for n in r.nodes}
+        out = []
+        for n in self.cg.nodes:
+            if not self.cg.is_compute(n) or n in inside or n.target is _getitem:
+                continue
+            kind = self.cg.info[n]
+            reason = kind.reason if isinstance(kind, ops.Opaque) else self.reasons.get(
+                n, "not supported by the support predicate" if not self.supported(n) else "left out")
+            out.append((n, reason))
+        return out
+
+
+_getitem = __import__("operator").getitem
+
+
+def _forced(a: set, b: set) -> bool:
+    """A multi-output op and its getitems always travel together."""
+    return any(n.target is _getitem for n in b) and len(b) == 1
+
+
+def eager_time(cg: ComputeGraph, n) -> float:
+    from .cost import HBM_BYTES_PER_S, LAUNCH_S, evaluate
+    b, launches = eager_cost(cg, n)
+    return evaluate(b) / HBM_BYTES_PER_S + launches * LAUNCH_S

@@ -1,0 +1,197 @@
+"""A region: the compute nodes one kernel runs, its iteration space, and its inputs and outputs.
+
+Pointwise regions iterate over one shape.  Reduction regions iterate over (rows, R): `full` is the
+shape the reductions read, `reduced` the dims they combine; every reduction in the region shares
+them.  Each output is either full-shaped (stored per element) or row-shaped (stored per row).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch.fx as fx
+
+from . import ops
+from .graph import ComputeGraph, meta, shape, tensor_args
+
+PERSISTENT_MAX_R = 16384  # rows up to this many elements are held in registers: one HBM pass
+
+
+@dataclass(frozen=True)
+class Space:
+    full: tuple[int, ...]
+    reduced: tuple[int, ...] = ()
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        return tuple(s for d, s in enumerate(self.full) if d not in self.reduced)
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.kept)
+
+    @property
+    def r(self) -> int:
+        return math.prod(self.full[d] for d in self.reduced)
+
+    @property
+    def is_reduction(self) -> bool:
+        return bool(self.reduced)
+
+    @property
+    def persistent(self) -> bool:
+        return self.r <= PERSISTENT_MAX_R
+
+    def row_shaped(self, shp) -> bool:
+        """A per-row value: the full shape with the reduced dims set to 1 or dropped."""
+        keep1 = tuple(1 if d in self.reduced else s for d, s in enumerate(self.full))
+        return tuple(shp) in (keep1, self.kept)
+
+
+def _is_reduction(cg: ComputeGraph, n) -> bool:
+    return isinstance(cg.info[n], ops.Reduction)
+
+
+def reduction_space(n) -> Space:
+    return Space(shape(n.args[0]), ops.reduction_dims(n))
+
+
+@dataclass(eq=False)
+class Region:
+    """Compute nodes of one kernel (in graph order) and what the cost model and codegen need."""
+
+    cg: ComputeGraph
+    nodes: list
+    space: Space
+    id: int = 0
+    members: set = field(init=False)
+
+    def __post_init__(self):
+        self.nodes = sorted(self.nodes, key=self.cg.order.__getitem__)
+        self.members = set(self.nodes)
+
+    @cached_property
+    def outputs(self) -> list:
+        """Members whose data is read outside the region (multi-output ops give their getitems)."""
+        out = []
+        for n in self.nodes:
+            if meta(n) is None:
+                continue
+            if any(c not in self.members for c in self.cg.consumers(n)):
+                out.append(n)
+        return out
+
+    @cached_property
+    def inputs(self) -> list:
+        """Non-member nodes whose data the region reads, in graph order."""
+        seen = {}
+        for n in self.nodes:
+            for a in self.cg.data_inputs(n):
+                if a not in self.members:
+                    seen[a] = None
+        return sorted(seen, key=self.cg.order.__getitem__)
+
+    @property
+    def kind(self) -> str:
+        return "reduction" if self.space.is_reduction else "pointwise"
+
+    # -- reduction levels: which loop computes what (shared by the cost model and codegen) --
+
+    @cached_property
+    def levels(self) -> dict:
+        """Level of each member: 0 for per-element work before any reduction, k after k chained ones."""
+        lvl = {}
+        for n in self.nodes:
+            deps = [lvl.get(a, 0) for a in self._member_deps(n)]
+            base = max(deps, default=0)
+            if _is_reduction(self.cg, n):
+                # var needs its mean first: two chained passes
+                extra = 2 if self.cg.info[n].combine == "var" else 1
+                lvl[n] = base + extra
+            else:
+                lvl[n] = base
+        return lvl
+
+    def _member_deps(self, n) -> list:
+        if n.target is operator.getitem:
+            return [n.args[0]]
+        return [a for a in self.cg.data_inputs(n) if a in self.members]
+
+    def cone_inputs(self, roots) -> set:
+        """Region inputs read to compute `roots` within one pass (stopping at reductions)."""
+        found, stack, seen = set(), list(roots), set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for a in self.cg.data_inputs(n) if n.target is not operator.getitem else [n.args[0]]:
+                if a not in self.members:
+                    found.add(a)
+                elif not _is_reduction(self.cg, a):
+                    stack.append(a)
+        return found
+
+    def passes(self) -> dict:
+        """How many times each input is read from HBM: once when rows sit in registers, else per loop."""
+        if not self.space.is_reduction or self.space.persistent:
+            return {a: 1 for a in self.inputs}
+        count = {a: 0 for a in self.inputs}
+        by_level = {}
+        for n in self.nodes:
+            if _is_reduction(self.cg, n):
+                by_level.setdefault(self.levels[n], []).append(n)
+                if self.cg.info[n].combine == "var":  # the mean pass, one level earlier
+                    by_level.setdefault(self.levels[n] - 1, []).append(n)
+        loops = [self.cone_inputs(ns) for _, ns in sorted(by_level.items())]
+        full_outputs = [o for o in self.outputs if shape(o) == self.space.full]
+        if full_outputs:
+            loops.append(self.cone_inputs(full_outputs))
+        row_outputs = [o for o in self.outputs if shape(o) != self.space.full]
+        once = self.cone_inputs(row_outputs)
+        for a in count:
+            count[a] = sum(a in loop for loop in loops) or (1 if a in once else 0)
+        return count
+
+
+def analyze(cg: ComputeGraph, nodes) -> Space | None:
+    """The iteration space these nodes can share in one kernel, or None if they cannot."""
+    members = set(nodes)
+    spaces = {reduction_space(n) for n in nodes if _is_reduction(cg, n)}
+    if len(spaces) > 1:
+        return None
+    outs = [n for n in nodes if meta(n) is not None and any(c not in members for c in cg.consumers(n))]
+    if not outs:
+        outs = [n for n in nodes if meta(n) is not None]
+    if spaces:
+        space = spaces.pop()
+        if any(n.target is not operator.getitem and meta(n) is None and not _is_reduction(cg, n) for n in nodes):
+            return None
+        for o in outs:
+            if shape(o) != space.full and not space.row_shaped(shape(o)):
+                return None
+        for n in nodes:  # per-element work downstream of a reduction must be full- or row-shaped
+            if not _is_reduction(cg, n) and meta(n) is not None and any(
+                    _is_reduction(cg, a) or a.target is operator.getitem for a in cg.data_inputs(n) if a in members):
+                if shape(n) != space.full and not space.row_shaped(shape(n)):
+                    return None
+        return space
+    shapes = {shape(o) for o in outs}
+    if len(shapes) != 1:
+        return None
+    return Space(shapes.pop())
+
+
+def make_region(cg: ComputeGraph, nodes, rid: int = 0) -> Region | None:
+    space = analyze(cg, nodes)
+    return None if space is None else Region(cg, list(nodes), space, rid)
+
+
+def external_tensor_args(region: Region, n) -> list:
+    return [a for a in tensor_args(n) if a not in region.members]
+
+
+def is_graph_input(n: fx.Node) -> bool:
+    return n.op in ("placeholder", "get_attr")
