@@ -81,7 +81,7 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype) -> str:
     # must see natural-log scores, so there the scores stay natural and log2(e) is applied to the *difference*
     # s - m: multiplying a finfo.min score by log2(e) would overflow to -inf and turn eager's uniform average over a
     # fully finfo.min-masked row into NaN.
-    if False:
+    if has_mod:
         scores = ["s = tl.dot(q, kT, input_precision=DOT_PRECISION) * scale"]
         for i in range(mod.n_extra):
             scores.append(

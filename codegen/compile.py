@@ -2,17 +2,22 @@
 
 The source is written to `$FUSER_CACHE_DIR/<sha>.py` and imported from there, so `triton.jit` sees a
 real file (it reads the source for its own cache key) and Triton's compiled binaries are reused
-across processes.  On CPU tensors the same function runs through Triton's interpreter.
+across processes.
+
+Triton's interpreter is a process-wide mode chosen when triton is imported (TRITON_INTERPRET=1):
+in it, kernels run on CPU tensors; out of it, on GPU tensors.  `fuser` turns it on at import on a
+machine without a GPU; `check_mode` names the fix when tensors and mode disagree.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import os
 import threading
 
-_loaded: dict[tuple[str, bool], object] = {}
+from triton import knobs
+
+_loaded: dict[str, object] = {}
 _lock = threading.Lock()
 
 
@@ -22,36 +27,33 @@ def cache_dir() -> str:
     return path
 
 
-def load(source: str, name: str, interpret: bool):
-    """The jitted function `name` defined in `source` (interpreted where the tensors are on CPU)."""
+def interpreting() -> bool:
+    return bool(knobs.runtime.interpret)
+
+
+def check_mode(device_type: str):
+    if device_type == "cpu" and not interpreting():
+        raise RuntimeError("fuser: kernels on CPU tensors run through Triton's interpreter; set "
+                           "TRITON_INTERPRET=1 before triton is imported (or import fuser first)")
+    if device_type != "cpu" and interpreting():
+        raise RuntimeError("fuser: TRITON_INTERPRET=1 is set, so Triton cannot run kernels on "
+                           f"{device_type} tensors in this process")
+
+
+def load(source: str, name: str):
+    """The jitted function `name` defined in `source`."""
     sha = hashlib.sha256(source.encode()).hexdigest()[:24]
-    key = (sha, interpret)
     with _lock:
-        if key in _loaded:
-            return _loaded[key]
+        if sha in _loaded:
+            return _loaded[sha]
         path = os.path.join(cache_dir(), f"k_{sha}.py")
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 f.write(source)
             os.replace(tmp, path)
-        spec = importlib.util.spec_from_file_location(f"fuser_kernels.k_{sha}_{int(interpret)}", path)
+        spec = importlib.util.spec_from_file_location(f"fuser_kernels.k_{sha}", path)
         module = importlib.util.module_from_spec(spec)
-        with _interpreting(interpret):  # helpers the kernel calls must be interpreted too
-            spec.loader.exec_module(module)
-        fn = getattr(module, name)
-        _loaded[key] = fn
-        return fn
-
-
-@contextlib.contextmanager
-def _interpreting(on: bool):
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+        spec.loader.exec_module(module)
+        _loaded[sha] = getattr(module, name)
+        return _loaded[sha]

@@ -49,18 +49,10 @@ class KernelSource:
     grid: int
 
 
-REDUCE_HELPERS = {
-    "_max_combine": """
-@triton.jit
-def _max_combine(a, b):
-    return tl.where((a > b) | (a != a), a, b)
-""",
-    "_min_combine": """
-@triton.jit
-def _min_combine(a, b):
-    return tl.where((a < b) | (a != a), a, b)
-""",
-}
+def _minmax(combine: str, v: str) -> str:
+    """Row max/min that propagates NaN, as torch.amax/amin do (tl.max alone would drop it)."""
+    fn = "tl.max" if combine == "max" else "tl.min"
+    return f"tl.where(tl.max(({v} != {v}).to(tl.int32), 1)[:, None] > 0, float(\"nan\"), {fn}({v}, 1)[:, None])"
 
 
 def _promote(args, node) -> torch.dtype:
@@ -100,6 +92,7 @@ class KernelWriter:
         self.dtypes: dict[str, torch.dtype] = {}
         self.count = 0
         self.reduced: dict = {}  # (node, component) -> register holding the per-row result
+        self.aliases: dict = {}  # symbol -> the in-range index it names inside a cat/pad branch
         self.ptr = {n: f"in{i}_ptr" for i, n in enumerate(region.inputs)}
         self.ptr.update({n: f"out{i}_ptr" for i, n in enumerate(region.outputs)})
 
@@ -169,7 +162,7 @@ class KernelWriter:
     def _load(self, n, idx, cond) -> str:
         sig = self.in_sig[n]
         addr = sum((i * s for i, s, size in zip(idx, sig.stride, sig.shape) if size != 1), sympy.Integer(0))
-        addr = ix.texpr(ix.combine(addr, self.ranges))
+        addr = ix.texpr(self.expand_aliases(ix.combine(addr, self.ranges)))
         mask = self.mask_for([addr], cond)
         masked = "" if mask == "None" else f", mask={mask}, other=0"
         raw = f"tl.load({self.ptr[n]} + ({addr}){masked})"
@@ -192,10 +185,10 @@ class KernelWriter:
                 here = None
             else:
                 bounds = bounds if isinstance(bounds[0], tuple) else (bounds,)
-                here = " & ".join(f"(({ix.texpr(idx[d])}) >= {lo}) & (({ix.texpr(idx[d])}) < {hi})"
+                here = " & ".join(f"(({self.print_index(idx[d])}) >= {lo}) & (({self.print_index(idx[d])}) < {hi})"
                                   for lo, hi, d in bounds)
             sub_cond = cond if here is None else (f"({cond}) & {here}" if cond else here)
-            v = self.value(src, src_idx, sub_cond)
+            v = self.value(src, self._alias_bounded(src_idx, bounds), sub_cond)
             v = convert(v, self.dtypes[v], cdt)
             if result is None or (first and other is None and here is None):
                 result = v
@@ -204,6 +197,27 @@ class KernelWriter:
             else:
                 result = f"tl.where({here}, {v}, {result})"
         return self.new(result, cdt)
+
+    def _alias_bounded(self, idx, bounds) -> tuple:
+        """Inside a cat/pad branch the shifted index is in range (other lanes are masked): give it a
+        symbol with that range, so the index math simplifies; it prints as what it stands for."""
+        if bounds is None:
+            return idx
+        idx = list(idx)
+        for lo, hi, d in bounds:
+            sym = sympy.Symbol(f"c{len(self.aliases)}", integer=True, nonnegative=True)
+            self.aliases[sym] = idx[d]
+            self.ranges[sym] = hi - lo
+            idx[d] = sym
+        return tuple(idx)
+
+    def expand_aliases(self, e):
+        while e.free_symbols & self.aliases.keys():
+            e = e.xreplace(self.aliases)
+        return e
+
+    def print_index(self, e) -> str:
+        return ix.texpr(self.expand_aliases(sympy.sympify(e)))
 
     def _member(self, n, idx, cond) -> str:
         kind = self.cg.info[n]
@@ -236,7 +250,7 @@ class KernelWriter:
             else:
                 rendered.append(a)
         del tensor_args
-        expr = kind.fmt(ops.Args(n, rendered, idx))
+        expr = kind.fmt(ops.Args(n, rendered, tuple(self.expand_aliases(i) for i in idx)))
         if kind.cast:
             src = self.dtypes[rendered[0]] if rendered and rendered[0] in self.dtypes else op_dt
             rounded = convert(expr, src, out_dt)
@@ -301,8 +315,10 @@ class KernelWriter:
             return
         if combine in ("max", "min"):
             ident = _identity(combine, self.dtypes[v])
-            helper = "_max_combine" if combine == "max" else "_min_combine"
-            self.reduced[(n, 0)] = self.new(f"tl.reduce(tl.where(rmask, {v}, {ident}), 1, {helper})[:, None]", self.dtypes[v])
+            masked = self.new(f"tl.where(rmask, {v}, {ident})", self.dtypes[v])
+            red = _minmax(combine, masked) if self.dtypes[v].is_floating_point else \
+                f"{'tl.max' if combine == 'max' else 'tl.min'}({masked}, 1)[:, None]"
+            self.reduced[(n, 0)] = self.new(red, self.dtypes[v])
             return
         if combine in ("argmax", "argmin"):
             ident = _identity("max" if combine == "argmax" else "min", self.dtypes[v])
@@ -377,7 +393,7 @@ class KernelWriter:
                         rd = ix.texpr(self.full_index()[self.space.reduced[0]])
                         self.emit(f"{acc} = {acc} + tl.where(rmask & (({rd}) == {iv}), {v}, 0)")
                     elif combine in ("max", "min"):
-                        helper = "_max_combine" if combine == "max" else "_min_combine"
+                        helper = "_maximum" if combine == "max" else "_minimum"
                         self.emit(f"{acc} = {helper}({acc}, tl.where(rmask, {v}, {_identity(combine, dt)}))")
                     elif combine == "any":
                         self.emit(f"{acc} = tl.maximum({acc}, tl.where(rmask & ({v} != 0), 1, 0))")
@@ -394,8 +410,9 @@ class KernelWriter:
                     mean = self.cg.info[n].mean
                     self.reduced[(n, 0)] = self.new(f"{s} / {self.space.r}.0", out_dt) if mean else s
                 elif combine in ("max", "min"):
-                    helper = "_max_combine" if combine == "max" else "_min_combine"
-                    self.reduced[(n, 0)] = self.new(f"tl.reduce({acc}, 1, {helper})[:, None]", dt)
+                    red = _minmax(combine, acc) if dt.is_floating_point else \
+                        f"{'tl.max' if combine == 'max' else 'tl.min'}({acc}, 1)[:, None]"
+                    self.reduced[(n, 0)] = self.new(red, dt)
                 elif combine == "any":
                     self.reduced[(n, 0)] = self.new(f"tl.max({acc}, 1)[:, None] > 0", torch.bool)
 
@@ -448,8 +465,7 @@ class KernelWriter:
         body = "\n".join(self.lines)
         params = [self.ptr[n] for n in self.region.inputs] + [self.ptr[n] for n in self.region.outputs]
         params += ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.reduction else [])
-        helpers = {**ops.HELPERS, **REDUCE_HELPERS}
-        used = [src for name, src in helpers.items() if re.search(rf"\b{name}\(|\b{name}\)", body)]
+        used = [src for name, src in ops.HELPERS.items() if re.search(rf"\b{name}\(|\b{name}\)", body)]
         header = self._header()
         src = (header + "import triton\nimport triton.language as tl\n" + "".join(used) +
                f"\n\n@triton.jit\ndef {self.name}({', '.join(params)}):\n{body}\n")

@@ -31,14 +31,14 @@ def is_tensor(n) -> bool:
     return meta(n) is not None
 
 
-def tensor_args(n: fx.Node) -> list[fx.Node]:
-    """Tensor operands in order (cat's list flattened); generators read only shapes, so none."""
+def operands(n: fx.Node) -> list[fx.Node]:
+    """Node operands in order (cat's list flattened); generators read only shapes, so none."""
     if getattr(n.target, "overloadpacket", None) in GENERATORS:
         return []
     out = []
     for a in (*n.args, *n.kwargs.values()):
         for x in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(x, fx.Node) and is_tensor(x):
+            if isinstance(x, fx.Node):
                 out.append(x)
     return out
 
@@ -50,7 +50,9 @@ class ComputeGraph:
         self.graph = graph
         self.nodes = list(graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
-        self.info = {n: self._classify(n) for n in self.nodes}
+        self.info = {}
+        for n in self.nodes:  # in order: a getitem's kind follows its parent's
+            self.info[n] = self._classify(n)
 
     def _classify(self, n):
         if n.op != "call_function":
@@ -61,6 +63,9 @@ class ComputeGraph:
             if isinstance(kind, ops.Reduction) and is_tensor(n):
                 return ops.Layout(None)
             return ops.Opaque("a component of an op left to eager")
+        packet = getattr(n.target, "overloadpacket", None)
+        if packet in ops.OPAQUE:
+            return ops.Opaque(ops.OPAQUE[packet])
         if not is_tensor(n):
             if isinstance(meta_val := n.meta.get("val"), (tuple, list)) and \
                     getattr(n.target, "overloadpacket", None) is aten.var_mean:
@@ -73,13 +78,15 @@ class ComputeGraph:
             return ops.Opaque(f"device {v.device.type} is not supported")
         kind = ops.classify(n)
         if isinstance(kind, (ops.Pointwise, ops.Layout, ops.Reduction)):
-            for a in tensor_args(n):
+            for a in operands(n):
+                if meta(a) is None:
+                    return ops.Opaque("an operand is not a tensor (a symbolic size?)")
                 if meta(a).dtype not in ops.TL_DTYPE:
                     return ops.Opaque(f"operand dtype {meta(a).dtype} has no Triton lowering here")
                 if meta(a).device != v.device and meta(a).dim() > 0:
                     return ops.Opaque("operands on another device")
         if n.target is aten._to_copy.default and n.kwargs.get("device") not in (None, v.device) \
-                and tensor_args(n) and meta(tensor_args(n)[0]).device != v.device:
+                and operands(n) and meta(operands(n)[0]).device != v.device:
             return ops.Opaque("a device transfer")
         return kind
 
@@ -101,7 +108,7 @@ class ComputeGraph:
         out = {}
         for n in self.nodes:
             found = []
-            for a in tensor_args(n) if n.op == "call_function" else []:
+            for a in operands(n) if n.op == "call_function" else []:
                 found.extend(out[a] if self.transparent(a) else [a])
             out[n] = list(dict.fromkeys(found))
         return out
@@ -132,7 +139,7 @@ class ComputeGraph:
     def read_elems(self, consumer, base) -> int:
         """Elements a consumer reads of `base`: the smallest tensor on the view chain between them."""
         best = None
-        for a in tensor_args(consumer):
+        for a in operands(consumer):
             chain = self._chain_to(a, base)
             if chain is not None:
                 m = min(meta(c).numel() for c in chain)
@@ -144,7 +151,7 @@ class ComputeGraph:
             return [n]
         if not self.transparent(n):
             return None
-        for a in tensor_args(n):
+        for a in operands(n):
             c = self._chain_to(a, base)
             if c is not None:
                 return [n, *c]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fuser.codegen.compile import load
+from fuser.codegen.compile import check_mode, load
 from fuser.codegen.kernel import KernelSource, TensorSig, generate
 from .graph import meta
 from .region import Region
@@ -49,7 +49,8 @@ class RegionKernel(torch.nn.Module):
         variant = self._variant(self._check(inputs))
         outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device) for s in self.out_sigs]
         if variant.grid > 0 and self.region.space.rows > 0 and (self.region.space.r > 0 or not self.region.space.is_reduction):
-            fn = load(variant.source, variant.name, interpret=device.type == "cpu")
+            check_mode(device.type)
+            fn = load(variant.source, variant.name)
             meta_args = {"XBLOCK": variant.plan.xblock}
             if self.region.space.is_reduction:
                 meta_args["RBLOCK"] = variant.plan.rblock

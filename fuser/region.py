@@ -11,10 +11,8 @@ import operator
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import torch.fx as fx
-
 from . import ops
-from .graph import ComputeGraph, meta, shape, tensor_args
+from .graph import ComputeGraph, meta, shape
 
 PERSISTENT_MAX_R = 16384  # rows up to this many elements are held in registers: one HBM pass
 
@@ -187,11 +185,3 @@ def analyze(cg: ComputeGraph, nodes) -> Space | None:
 def make_region(cg: ComputeGraph, nodes, rid: int = 0) -> Region | None:
     space = analyze(cg, nodes)
     return None if space is None else Region(cg, list(nodes), space, rid)
-
-
-def external_tensor_args(region: Region, n) -> list:
-    return [a for a in tensor_args(n) if a not in region.members]
-
-
-def is_graph_input(n: fx.Node) -> bool:
-    return n.op in ("placeholder", "get_attr")

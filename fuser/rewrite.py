@@ -33,6 +33,9 @@ def rewrite(gm: fx.GraphModule, regions: list[Region], kernels: list) -> fx.Grap
     def key(u):
         return order[u.nodes[0]] if isinstance(u, Region) else order[u]
 
+    if not nx.is_directed_acyclic_graph(units):
+        cyc = nx.find_cycle(units)
+        raise RuntimeError("cycle: " + " -> ".join(str(getattr(a, 'name', [x.name for x in a.nodes] if isinstance(a, Region) else a)) for a, b in cyc))
     graph, env = fx.Graph(), {}
     for r, k in zip(regions, kernels):
         gm.add_submodule(k.name, k)
