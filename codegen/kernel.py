@@ -178,6 +178,9 @@ class KernelWriter:
     def _layout(self, n, kind, idx, cond) -> str:
         branches, other = kind.index_map(n, idx, self.ranges)
         cdt = ops.compute_dtype(meta(n).dtype)
+        if len(branches) == 1 and branches[0][2] is None and other is None:  # a pure index map
+            v = self.value(branches[0][0], branches[0][1], cond)
+            return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
         result = None if other is None else ops.literal(other)
         for k, (src, src_idx, bounds) in enumerate(reversed(branches)):
             first = k == len(branches) - 1
@@ -422,17 +425,11 @@ class KernelWriter:
         v = self.value(o, idx)
         addr = sum((i * s for i, s, size in zip(idx, sig.stride, sig.shape) if size != 1), sympy.Integer(0))
         addr = ix.texpr(ix.combine(addr, self.ranges))
-        mask = self.mask_for([addr, v if not v.startswith("t") else ""], None)
-        if self.reduction and shape(o) != self.space.full:
-            mask = "xmask"
-        elif self.reduction:
-            mask = "xmask & rmask"
-        else:
-            mask = "xmask"
-        val = convert(v, self.dtypes[v], sig.dtype)
-        if sig.dtype != torch.bool:
-            val = f"{val}" if self.dtypes[v] == sig.dtype else val
-        self.emit(f"tl.store({self.ptr[o]} + ({addr}), {val}, {mask})")
+        per_row = self.reduction and shape(o) != self.space.full
+        mask = "xmask" if per_row or not self.reduction else "xmask & rmask"
+        if not re.search(r"\bx\b", addr):  # a single value: the pointer must still be a block
+            addr = f"{addr} + 0 * x"
+        self.emit(f"tl.store({self.ptr[o]} + ({addr}), {convert(v, self.dtypes[v], sig.dtype)}, {mask})")
 
     # ------------------------------------------------------------------ the kernel
     def generate(self) -> KernelSource:

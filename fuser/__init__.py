@@ -26,6 +26,7 @@ def _mount_source_subpackages():
         module = _util.module_from_spec(spec)
         _sys.modules[name] = module
         spec.loader.exec_module(module)
+        globals()[sub] = module
 
 
 _interpret_without_gpu()

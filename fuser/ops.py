@@ -41,7 +41,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def literal(v) -> str:
     """A Python scalar as Triton source."""
     if isinstance(v, bool):
-        return "1" if v else "0"
+        return "True" if v else "False"
     if isinstance(v, float):
         if math.isnan(v):
             return 'float("nan")'

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine, from the repo root: the test suite on CUDA, then the
+# benchmark whatever the tests did. Logs and results go to $OUT (bench/results when unset).
+set -u -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PYTHON="${PYTHON:-python3}"          # on the GPU image, plain python3 is the one with torch
+OUT="${OUT:-bench/results}"
+TESTS_TIMEOUT="${TESTS_TIMEOUT:-180}" # leave the benchmark its ~6 minutes of the call
+mkdir -p "$OUT"
+
+FUSER_TEST_DEVICE=cuda timeout -s INT -k 15 "$TESTS_TIMEOUT" \
+    "$PYTHON" -m pytest tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
+tests_rc=$?
+
+"$PYTHON" bench/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+bench_rc=$?
+
+echo "tests exit status: $tests_rc (124: stopped at ${TESTS_TIMEOUT} s); bench exit status: $bench_rc"
+exit $(( tests_rc != 0 ? tests_rc : bench_rc ))

@@ -1,0 +1,24 @@
+"""Shared fixtures: the device under test and a clean Dynamo cache per test.
+
+Tests run on CPU through Triton's interpreter by default; `FUSER_TEST_DEVICE=cuda` runs the same
+suite on the GPU.
+"""
+import os
+
+import pytest
+import torch
+
+import fuser  # noqa: F401  (imported first: it turns on Triton's interpreter where there is no GPU)
+
+DEVICE = "cuda" if os.environ.get("FUSER_TEST_DEVICE") == "cuda" and torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield

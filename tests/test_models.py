@@ -1,0 +1,86 @@
+"""Real models, called the normal way: Hugging Face GPT-2, LLaMA and BERT from small configs.
+
+Outputs match eager, and the memory-bound work outside attention (norms, activations and gates,
+residual adds, RoPE) sits inside fused regions.  fp32 on CPU: tolerances are fp32 reordering.
+"""
+import pytest
+import torch
+
+import fuser
+from helpers import fused_ops
+
+transformers = pytest.importorskip("transformers")
+
+TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
+
+
+def _dtype(device):
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def _run(model, inputs, device):
+    model = model.to(device, _dtype(device)).eval()
+    fused = fuser.fuse(model)
+    with torch.no_grad():
+        out = fused(**inputs)
+        ref = model(**inputs)
+    return fused, out, ref
+
+
+def test_llama(device):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, attn_implementation="sdpa")
+    ids = torch.randint(0, 211, (2, 37), device=device)
+    fused, out, ref = _run(transformers.LlamaForCausalLM(cfg), {"input_ids": ids}, device)
+    assert type(out) is type(ref)
+    torch.testing.assert_close(out.logits, ref.logits, **TOL[_dtype(device)])
+    ops = fused_ops(fused.report)
+    # RMSNorm (pow/mean/rsqrt), SiLU gate (sigmoid), RoPE (neg/cat), residual adds
+    assert {"pow", "mean", "rsqrt", "sigmoid", "neg", "cat", "add"} <= ops
+    kinds = {r.kind for r in fused.report.regions}
+    assert kinds == {"pointwise", "reduction"}
+    assert all(r.k >= 1.0 for r in fused.report.regions)
+    assert "matmul" in " ".join(u.reason for u in fused.report.unfused)
+
+
+def test_gpt2(device):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=211, n_embd=96, n_layer=2, n_head=4, n_positions=64,
+                                  attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 211, (2, 37), device=device)
+    fused, out, ref = _run(transformers.GPT2LMHeadModel(cfg), {"input_ids": ids}, device)
+    torch.testing.assert_close(out.logits, ref.logits, **TOL[_dtype(device)])
+    ops = fused_ops(fused.report)
+    assert {"var_mean", "rsqrt", "tanh", "add"} <= ops  # LayerNorm with its residual add, GELU(tanh)
+    text = str(fused.report)
+    assert "reduction" in text and "k" in text
+
+
+def test_bert_with_padding_mask(device):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=211, hidden_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=160, max_position_embeddings=64, attn_implementation="sdpa")
+    ids = torch.randint(0, 211, (2, 37), device=device)
+    mask = torch.ones(2, 37, dtype=torch.long, device=device)
+    mask[1, 30:] = 0
+    fused, out, ref = _run(transformers.BertModel(cfg), {"input_ids": ids, "attention_mask": mask}, device)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, **TOL[_dtype(device)])
+    assert {"var_mean", "rsqrt", "add"} <= fused_ops(fused.report)  # LayerNorm with its residual add
+    # GELU sits alone between two matmuls: k = 1, so the cost model leaves it eager, and says so
+    assert any(u.op.startswith("aten.gelu") and "alone" in u.reason for u in fused.report.unfused)
+
+
+def test_llama_new_length_recaptures(device):
+    """A new sequence length recaptures; no kernel made for another shape ever runs."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=4, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).to(device, _dtype(device)).eval()
+    fused = fuser.fuse(model)
+    with torch.no_grad():
+        for t in (9, 17):
+            ids = torch.randint(0, 97, (1, t), device=device)
+            torch.testing.assert_close(fused(input_ids=ids).logits, model(input_ids=ids).logits,
+                                       **TOL[_dtype(device)])
+            assert any(f"[1, {t}, 64]" in s for r in fused.report.regions for s in r.output_shapes)
