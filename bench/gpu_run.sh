@@ -7,6 +7,8 @@ PYTHON="${PYTHON:-python3}"          # on the GPU image, plain python3 is the on
 OUT="${OUT:-bench/results}"
 TESTS_TIMEOUT="${TESTS_TIMEOUT:-180}" # leave the benchmark its ~6 minutes of the call
 mkdir -p "$OUT"
+# register the `fuser` torch.compile backend (entry point); no network there, so no deps, no isolation
+"$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 
 FUSER_TEST_DEVICE=cuda timeout -s INT -k 15 "$TESTS_TIMEOUT" \
     "$PYTHON" -m pytest tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"

@@ -32,7 +32,11 @@ class FusedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         _check_devices(self.model, args, kwargs)
         before = len(self._graph_reports)
-        out = self._compiled(*args, **kwargs)
+        try:
+            out = self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            raise RuntimeError(f"fuser could not compile a graph of {type(self.model).__name__}: "
+                               f"{type(e.inner_exception).__name__}: {e.inner_exception}") from e
         if len(self._graph_reports) > before:
             self._latest = self._graph_reports[before:]
         return out

@@ -1,0 +1,143 @@
+"""Region formation: what must be fused, what must not, and the cost-model hand counts.
+
+These run the partitioner on ATen graphs traced with fake tensors (no kernels run), so shapes can
+be as large as the decisions need.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fuser.capture import decompositions
+from fuser.partition import Partitioner
+
+F32 = 4
+
+
+def regions_of(fn, *shapes):
+    with FakeTensorMode():
+        args = [torch.empty(s) for s in shapes]
+        gm = make_fx(fn, decomposition_table=decompositions())(*args)
+    part = Partitioner(gm.graph)
+    regions = part.partition()
+    return regions, part
+
+
+def names(region):
+    return {n.target.overloadpacket.__name__ for n in region.nodes if hasattr(n.target, "overloadpacket")}
+
+
+def test_chain_of_k_unary_ops_has_k_equal_to_k():
+    """The seed's proposition: k same-shape ops move 2kN unfused, 2N fused."""
+    n = 3 * 423 * 213
+    regions, part = regions_of(lambda x: torch.exp(torch.sin(torch.cos(torch.tanh(x)))), (3, 423, 213))
+    (r,) = regions
+    cost = part.cost(r)
+    assert int(cost.bytes_unfused) == 4 * 2 * n * F32
+    assert int(cost.bytes_fused) == 2 * n * F32
+    assert cost.k == pytest.approx(4.0)
+
+
+def test_binary_chain_counts_every_operand():
+    n = 37 * 211
+    regions, part = regions_of(lambda a, b, c: (a + b) * c, (37, 211), (37, 211), (37, 211))
+    cost = part.cost(regions[0])
+    assert int(cost.bytes_unfused) == (3 * n + 3 * n) * F32  # add: 2 reads + 1 write; mul likewise
+    assert int(cost.bytes_fused) == 4 * n * F32              # a, b, c read once; one write
+    assert cost.k == pytest.approx(1.5)
+
+
+def test_broadcast_operand_is_read_once():
+    n, d = 64 * 301, 301
+    regions, part = regions_of(lambda x, w: torch.exp(x + w), (64, 301), (301,))
+    cost = part.cost(regions[0])
+    assert int(cost.bytes_unfused) == (n + d + n + n + n) * F32
+    assert int(cost.bytes_fused) == (n + d + n) * F32
+
+
+def test_softmax_counts_and_is_one_pass_when_rows_fit():
+    m, r = 512, 1000
+    regions, part = regions_of(lambda x: torch.softmax(x, -1), (m, r))
+    (region,) = regions
+    assert region.kind == "reduction" and names(region) >= {"amax", "sub", "exp", "sum", "div"}
+    cost = part.cost(region)
+    # amax: MR+M, sub: 2MR+M, exp: 2MR, sum: MR+M, div: 2MR+M
+    assert int(cost.bytes_unfused) == (8 * m * r + 4 * m) * F32
+    assert int(cost.bytes_fused) == 2 * m * r * F32
+
+
+def test_long_rows_are_read_once_per_pass():
+    m, r = 1024, 40000  # longer than a row held in registers: max pass, sum pass, write pass
+    regions, part = regions_of(lambda x: torch.softmax(x, -1), (m, r))
+    (region,) = regions
+    assert not region.space.persistent
+    assert int(part.cost(region).bytes_fused) == (3 + 1) * m * r * F32
+
+
+def test_lone_op_is_not_fused():
+    regions, part = regions_of(lambda x: torch.exp(x), (1000, 1000))
+    assert regions == []
+    (node, reason), = part.unfused(regions)
+    assert "alone" in reason
+
+
+def test_opaque_op_splits_regions():
+    def f(x, w):
+        h = torch.relu(x * 2.0) @ w
+        return torch.sigmoid(h) * 3.0 + 1.0
+
+    regions, part = regions_of(f, (256, 512), (512, 384))
+    assert len(regions) == 2
+    assert names(regions[0]) == {"mul", "relu"} and names(regions[1]) == {"sigmoid", "mul", "add"}
+    assert any("matmul" in reason for _, reason in part.unfused(regions))
+
+
+def test_no_cycle_through_an_eager_op():
+    def f(x, w):
+        a = torch.exp(x) * 2.0            # used by the matmul and by the last line
+        b = a @ w                           # opaque
+        return torch.tanh(a) + b            # the add needs b, which needs a: it cannot join a's kernel
+
+    regions, _ = regions_of(f, (128, 128), (128, 128))
+    assert any({"exp", "tanh"} <= names(r) for r in regions)
+    assert not any({"exp", "add"} <= names(r) for r in regions)
+
+
+def test_fusion_that_would_not_pay_is_declined():
+    """A producer also needed outside, feeding a row too long for registers: fusing it would re-read
+    its two inputs on each of the three passes (8N) instead of writing and re-reading its output (7N)."""
+    def f(a, b):
+        s = a + b
+        return s, torch.softmax(s, -1)
+
+    regions, part = regions_of(f, (4096, 40000), (4096, 40000))
+    add_region = [r for r in regions if "add" in names(r)]
+    assert not add_region or "amax" not in names(add_region[0])
+    assert any("add" in n.name for n, _ in part.unfused(regions))
+
+
+def test_layernorm_with_residual_and_multi_output():
+    def f(x, r, w, b):
+        h = x + r
+        return h, F.layer_norm(h, (768,), w, b)
+
+    regions, part = regions_of(f, (512, 768), (512, 768), (768,), (768,))
+    (region,) = regions
+    assert names(region) >= {"add", "var_mean", "rsqrt", "mul"}
+    assert len(region.outputs) == 2  # the residual stream and the normalised output
+    n = 512 * 768
+    assert int(part.cost(region).bytes_fused) == (2 * n + 2 * 768 + 2 * n) * F32
+
+
+def test_log_softmax_nll_never_writes_the_probabilities():
+    def f(logits, target):
+        return F.nll_loss(F.log_softmax(logits, -1), target, reduction="none")
+
+    with FakeTensorMode():
+        gm = make_fx(f, decomposition_table=decompositions())(torch.empty(64, 1000), torch.empty(64, dtype=torch.long))
+    part = Partitioner(gm.graph)
+    regions = part.partition()
+    big = [r for r in regions if "gather" in names(r)]
+    assert big and {"amax", "exp", "log", "gather"} <= names(big[0])
+    assert all(tuple(o.meta["val"].shape) != (64, 1000) for o in big[0].outputs)
