@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import triton
 
-from fuser.region import PERSISTENT_MAX_R, Region
+from fuser.region import Region
 
 
 @dataclass(frozen=True)

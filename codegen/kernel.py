@@ -18,7 +18,7 @@ import torch
 from fuser import indexing as ix
 from fuser import ops
 from fuser.graph import meta, shape
-from fuser.region import Region
+from fuser.region import PERSISTENT_MAX_R, Region
 
 from .blocks import BlockPlan, block_plan
 
@@ -291,7 +291,7 @@ class KernelWriter:
         v = n.meta["val"]
         return (v[0] if isinstance(v, (tuple, list)) else v).dtype
 
-    def _emit_reduction(self, n, looped_part: str | None = None):
+    def _emit_reduction(self, n):
         """Persistent: reduce the row held in registers.  Looped: see `_loop_reduction`."""
         combine = self.cg.info[n].combine
         v = self._reduction_input(n)
@@ -343,8 +343,7 @@ class KernelWriter:
 
     def row_index_for(self, n) -> tuple:
         """Index of an operand that varies only by row (gather's index), at the current row."""
-        return ix.broadcast_index(self.full_index(), self.space.full, shape(n)) if False else \
-            tuple(self.full_index()[d] if s != 1 else sympy.Integer(0) for d, s in enumerate(shape(n)))
+        return tuple(self.full_index()[d] if s != 1 else sympy.Integer(0) for d, s in enumerate(shape(n)))
 
     # ------------------------------------------------------------------ looped reductions
     def _loop(self, body):
@@ -363,7 +362,7 @@ class KernelWriter:
             if isinstance(self.cg.info[n], ops.Reduction):
                 combine = self.cg.info[n].combine
                 if combine in ("argmax", "argmin"):
-                    raise CodegenError(f"{combine} over rows longer than {self.plan.rblock * 0 + 16384} is left to eager")
+                    raise CodegenError(f"{combine} over rows longer than {PERSISTENT_MAX_R} is left to eager")
                 lvl = self.region.levels[n]
                 by_level.setdefault(lvl, []).append((n, "main"))
                 if combine == "var":

@@ -67,8 +67,7 @@ class ComputeGraph:
         if packet in ops.OPAQUE:
             return ops.Opaque(ops.OPAQUE[packet])
         if not is_tensor(n):
-            if isinstance(meta_val := n.meta.get("val"), (tuple, list)) and \
-                    getattr(n.target, "overloadpacket", None) is aten.var_mean:
+            if isinstance(n.meta.get("val"), (tuple, list)) and packet is aten.var_mean:
                 return ops.classify(n)
             return ops.Opaque("its result is not a single tensor")
         v = meta(n)

@@ -20,53 +20,52 @@ class RegionKernel(torch.nn.Module):
         self.region, self.name = region, name
         self.in_sigs = tuple(TensorSig.of(meta(n)) for n in region.inputs)
         self.out_sigs = tuple(TensorSig.of(meta(n)) for n in region.outputs)
-        self.device_type = meta(region.outputs[0]).device.type
-        self.variants: dict[tuple, KernelSource] = {}
-        self.source = self._variant(self.in_sigs).source  # emitting it now also proves it can be
+        self.device = meta(region.outputs[0]).device  # where a region with no tensor inputs runs
+        self.device_type = self.device.type
+        self.variants: dict[tuple, tuple[KernelSource, object]] = {}
+        self.source = self._variant(self.in_sigs)[0].source  # emitting it now also proves it can be
+        space = region.space
+        self.empty = space.rows == 0 or (space.is_reduction and space.r == 0)
 
-    def _variant(self, sigs: tuple) -> KernelSource:
+    def _variant(self, sigs: tuple):
+        """(source, launcher) for these input signatures; the launcher is loaded on first launch."""
         if sigs not in self.variants:
-            self.variants[sigs] = generate(self.region, list(sigs), list(self.out_sigs), self.device_type, self.name)
+            src = generate(self.region, list(sigs), list(self.out_sigs), self.device_type, self.name)
+            meta_args = {"XBLOCK": src.plan.xblock}
+            if self.region.space.is_reduction:
+                meta_args["RBLOCK"] = src.plan.rblock
+            if self.device_type != "cpu":
+                meta_args["num_warps"] = src.plan.num_warps
+            self.variants[sigs] = (src, meta_args)
         return self.variants[sigs]
 
     def _check(self, inputs) -> tuple:
         if len(inputs) != len(self.in_sigs):
             raise TypeError(f"{self.name}: expected {len(self.in_sigs)} tensors, got {len(inputs)}")
-        sigs = []
-        for i, (t, want) in enumerate(zip(inputs, self.in_sigs)):
-            if tuple(t.shape) != want.shape or t.dtype != want.dtype:
+        sigs = tuple(TensorSig.of(t) for t in inputs)
+        for i, (got, want) in enumerate(zip(sigs, self.in_sigs)):
+            if got.shape != want.shape or got.dtype != want.dtype:
                 raise RuntimeError(
-                    f"{self.name}: input {i} is {tuple(t.shape)} {t.dtype}, but the kernel was made for "
+                    f"{self.name}: input {i} is {got.shape} {got.dtype}, but the kernel was made for "
                     f"{want.shape} {want.dtype}; recapture (fuser.fuse) for new shapes or dtypes")
-            sigs.append(TensorSig.of(t))
-        return tuple(sigs)
+        return sigs
 
     def forward(self, *inputs):
-        device = next((t.device for t in inputs if t.dim() > 0), inputs[0].device if inputs else None)
+        device = next((t.device for t in inputs if t.dim() > 0), self.device)
         if device.type != self.device_type:
             raise RuntimeError(f"{self.name}: made for {self.device_type} tensors, given {device.type} ones")
         inputs = [t.to(device) if t.device != device else t for t in inputs]  # 0-d CPU scalars
-        variant = self._variant(self._check(inputs))
+        src, meta_args = self._variant(self._check(inputs))
         outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device) for s in self.out_sigs]
-        if variant.grid > 0 and self.region.space.rows > 0 and (self.region.space.r > 0 or not self.region.space.is_reduction):
+        if not self.empty:
             check_mode(device.type)
-            fn = load(variant.source, variant.name)
-            meta_args = {"XBLOCK": variant.plan.xblock}
-            if self.region.space.is_reduction:
-                meta_args["RBLOCK"] = variant.plan.rblock
-            if device.type != "cpu":
-                meta_args["num_warps"] = variant.plan.num_warps
-            with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
-                fn[(variant.grid,)](*inputs, *outs, **meta_args)
+            fn = load(src.source, src.name)
+            if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+                with torch.cuda.device(device):
+                    fn[(src.grid,)](*inputs, *outs, **meta_args)
+            else:
+                fn[(src.grid,)](*inputs, *outs, **meta_args)
         return tuple(outs)
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.region.kind}, {len(self.region.nodes)} ops"
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

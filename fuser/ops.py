@@ -487,8 +487,6 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     target = node.target
     if node.op != "call_function":
         return Opaque("not an op")
-    if target is operator.getitem:
-        return Layout(_identity)  # a component of a multi-output op: resolved by codegen
     packet = getattr(target, "overloadpacket", None)
     if packet in OPAQUE:
         return Opaque(OPAQUE[packet])

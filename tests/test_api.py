@@ -122,10 +122,10 @@ def test_kernels_are_cached_on_disk(tmp_path, monkeypatch, device):
     assert any(p.name.startswith("k_") for p in tmp_path.iterdir())
 
 
-def test_torch_compile_backend_name_in_a_fresh_process():
+def test_torch_compile_backend_name_in_a_fresh_process(device):
     code = ("import torch\n"
             "f = torch.compile(lambda x: torch.exp(x) * 2 + 1, backend='fuser')\n"
-            "x = torch.randn(33, 17)\n"
+            f"x = torch.randn(33, 17, device='{device}')\n"
             "torch.testing.assert_close(f(x), torch.exp(x) * 2 + 1)\n"
             "import fuser\n"
             "assert fuser.last_report().regions, fuser.last_report()\n"
