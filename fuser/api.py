@@ -25,8 +25,8 @@ class FusedModule(torch.nn.Module):
         self.model = model
         self._graph_reports: list[FusionReport] = []
         self._latest: list[FusionReport] = []
-        compiled = torch.compile(model, backend=backend.make_backend(self._graph_reports.append, options),
-                                 dynamic=False)
+        self.graph_modules: list[torch.fx.GraphModule] = []  # the rewritten graphs, in capture order
+        compiled = torch.compile(model, backend=backend.make_backend(self._captured, options), dynamic=False)
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second copy of the weights
 
     def forward(self, *args, **kwargs):
@@ -40,6 +40,10 @@ class FusedModule(torch.nn.Module):
         if len(self._graph_reports) > before:
             self._latest = self._graph_reports[before:]
         return out
+
+    def _captured(self, report: FusionReport, gm: torch.fx.GraphModule):
+        self._graph_reports.append(report)
+        self.graph_modules.append(gm)
 
     @property
     def report(self) -> FusionReport:

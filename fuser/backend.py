@@ -35,7 +35,7 @@ def make_backend(sink=None, options: dict | None = None):
         new, report = compile_graph(gm, graph_index=len(_reports))
         record(report)
         if sink is not None:
-            sink(report)
+            sink(report, new)
         return make_boxed_func(new.forward)
 
     def bw_compiler(gm, example_inputs):

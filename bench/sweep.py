@@ -1,0 +1,113 @@
+"""Block-size sweep for the rows that miss the bandwidth target: which (XBLOCK, RBLOCK, warps) wins.
+
+Times the fused module (what users run) and the bare kernel launch (no Python around it) for each
+plan, so launch overhead and kernel time are told apart.  GPU only.
+
+    python bench/sweep.py
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import fuser  # noqa: E402
+import fuser.codegen.kernel as kernel_mod  # noqa: E402
+from fuser.codegen.blocks import BlockPlan, block_plan  # noqa: E402
+from fuser.codegen.compile import load  # noqa: E402
+from fuser.launch import RegionKernel  # noqa: E402
+
+
+def rmsnorm(x, w):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return w * h.to(x.dtype)
+
+
+def swiglu(g):
+    a, b = g.chunk(2, -1)
+    return F.silu(a) * b
+
+
+def layernorm(x, r, w, b):
+    return F.layer_norm(x + r, (x.shape[-1],), w, b)
+
+
+def chain4(a, b):
+    return F.gelu(a + b) * 0.5 + a
+
+
+def plans(reduction: bool, r: int):
+    if reduction:
+        rb = triton.next_power_of_2(r)
+        for xb, w in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)):
+            yield BlockPlan(xb, rb, w, 0, True)
+    else:
+        for xb, w in ((512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8), (4096, 16)):
+            yield BlockPlan(xb, 1, w, 0, True)
+
+
+def sweep(name, fn, inputs, copy_bw):
+    moved = sum(t.numel() * t.element_size() for t in inputs) + fn(*inputs).numel() * 2
+    for plan in plans(*_shape_of(fn, inputs)):
+        def forced(region, device_type, plan=plan):
+            base = block_plan(region, device_type)
+            programs = triton.cdiv(max(region.space.rows, 1), plan.xblock)
+            return BlockPlan(plan.xblock, plan.rblock if region.space.is_reduction else 1, plan.num_warps,
+                             programs, base.persistent)
+        kernel_mod.block_plan = forced
+        torch._dynamo.reset()
+        fused = fuser.fuse(fn)
+        fused(*inputs)
+        ms = do_bench(lambda: fused(*inputs), warmup=25, rep=100, return_mode="median")
+        (region_kernel,) = _kernels(fused)
+        src, meta = next(iter(region_kernel.variants.values()))
+        launch = load(src.source, src.name)
+        outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="cuda") for s in region_kernel.out_sigs]
+        ins = _region_inputs(region_kernel, inputs)
+        bare = do_bench(lambda: launch[(src.grid,)](*ins, *outs, **meta),
+                        warmup=25, rep=100, return_mode="median")
+        print(f"{name:10s} XBLOCK={plan.xblock:5d} RBLOCK={plan.rblock:5d} warps={plan.num_warps:2d}  "
+              f"module {ms:.3f} ms ({moved / ms / 1e6 / copy_bw:5.1%})  bare kernel {bare:.3f} ms "
+              f"({moved / bare / 1e6 / copy_bw:5.1%})", flush=True)
+    kernel_mod.block_plan = block_plan
+
+
+def _shape_of(fn, inputs):
+    return fn in (rmsnorm, layernorm), inputs[0].shape[-1]
+
+
+def _kernels(fused):
+    return [m for gm in fused.graph_modules for m in gm.modules() if isinstance(m, RegionKernel)]
+
+
+def _region_inputs(k, inputs):
+    """The region's inputs are the graph's tensors in order (these rows have no eager ops before them),
+    except SwiGLU, whose inputs are the two halves of g."""
+    if len(k.in_sigs) == len(inputs):
+        return inputs
+    return list(inputs[0].chunk(2, -1))
+
+
+def main():
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    csrc = torch.randn(2**30, device=dev, dtype=bf)
+    cdst = torch.empty_like(csrc)
+    copy_bw = 2 * csrc.numel() * 2 / do_bench(lambda: cdst.copy_(csrc), return_mode="median") / 1e6
+    print(f"copy bandwidth {copy_bw:.0f} GB/s")
+    csrc = cdst = None  # free 4 GiB before the rows
+    x = torch.randn(16384, 4096, device=dev, dtype=bf)
+    w = torch.randn(4096, device=dev, dtype=bf)
+    sweep("rmsnorm", rmsnorm, (x, w), copy_bw)
+    sweep("layernorm", layernorm, (x, torch.randn_like(x), w, torch.randn_like(w)), copy_bw)
+    sweep("swiglu", swiglu, (torch.randn(16384, 8192, device=dev, dtype=bf),), copy_bw)
+    sweep("chain4", chain4, (torch.randn(2**28, device=dev, dtype=bf), torch.randn(2**28, device=dev, dtype=bf)),
+          copy_bw)
+
+
+if __name__ == "__main__":
+    main()
