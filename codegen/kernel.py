@@ -175,7 +175,24 @@ class KernelWriter:
             return self._pointwise(n, kind, idx, cond)
         return self._layout(n, kind, idx, cond)
 
+    def _gather(self, n, idx, cond) -> str:
+        """out[i] = src[i with dim -> index[i]]: the index is loaded, then names a symbol in the
+        source's index math.  An index out of range gives NaN (eager would raise), never a stray load."""
+        src, dim, index = n.args[0], n.args[1] % len(idx), n.args[2]
+        iv = self.value(index, idx, cond)
+        size = shape(src)[dim]
+        sym = sympy.Symbol(f"g{len(self.aliases)}", integer=True, nonnegative=True)
+        self.aliases[sym], self.ranges[sym] = sympy.Symbol(iv), size
+        valid = f"({iv} >= 0) & ({iv} < {size})"
+        src_idx = tuple(sym if d == dim else i for d, i in enumerate(idx))
+        v = self.value(src, src_idx, f"({cond}) & {valid}" if cond else valid)
+        cdt = ops.compute_dtype(meta(n).dtype)
+        bad = 'float("nan")' if cdt.is_floating_point else "0"
+        return self.new(f"tl.where({valid}, {convert(v, self.dtypes[v], cdt)}, {bad})", cdt)
+
     def _layout(self, n, kind, idx, cond) -> str:
+        if kind.indirect:
+            return self._gather(n, idx, cond)
         branches, other = kind.index_map(n, idx, self.ranges)
         cdt = ops.compute_dtype(meta(n).dtype)
         if len(branches) == 1 and branches[0][2] is None and other is None:  # a pure index map
@@ -296,14 +313,6 @@ class KernelWriter:
         combine = self.cg.info[n].combine
         v = self._reduction_input(n)
         out_dt = ops.compute_dtype(self._out_dtype(n))
-        if combine == "gather":
-            index = n.args[2]
-            iv = self.value(index, self.row_index_for(index))
-            rd = ix.texpr(self.full_index()[self.space.reduced[0]])
-            v = convert(v, self.dtypes[v], out_dt)
-            self.reduced[(n, 0)] = self.new(
-                f"tl.sum(tl.where(rmask & (({rd}) == {iv}), {v}, 0), 1)[:, None]", out_dt)
-            return
         if combine in ("sum", "var"):
             acc_dt = out_dt if combine == "sum" else ops.compute_dtype(meta(n.args[0]).dtype)
             v = convert(v, self.dtypes[v], acc_dt)
@@ -341,10 +350,6 @@ class KernelWriter:
         self.reduced[(n, 0)] = var
         self.reduced[(n, 1)] = mean
 
-    def row_index_for(self, n) -> tuple:
-        """Index of an operand that varies only by row (gather's index), at the current row."""
-        return tuple(self.full_index()[d] if s != 1 else sympy.Integer(0) for d, s in enumerate(shape(n)))
-
     # ------------------------------------------------------------------ looped reductions
     def _loop(self, body):
         self.emit(f"for roffset in range(0, {self.space.r}, RBLOCK):")
@@ -370,30 +375,35 @@ class KernelWriter:
         for lvl in sorted(by_level):
             items = by_level[lvl]
             accs = []
+            online = {self.region.online_max(n): n for n, part in items if part == "main"}
+            online.pop(None, None)  # amax -> the sum(exp(A - amax)) sharing its pass
             for n, part in items:
                 combine = "sum" if part == "mean" else self.cg.info[n].combine
                 dt = torch.float64 if meta(n.args[0]).dtype == torch.float64 else (
-                    ops.compute_dtype(self._out_dtype(n)) if combine in ("sum", "gather") else ops.compute_dtype(meta(n.args[0]).dtype))
-                ident = "0" if combine in ("sum", "var", "gather", "any") else _identity(combine, dt)
+                    ops.compute_dtype(self._out_dtype(n)) if combine == "sum" else ops.compute_dtype(meta(n.args[0]).dtype))
+                ident = "0" if combine in ("sum", "var", "any") else _identity(combine, dt)
                 acc = f"acc{self.count}"
                 self.count += 1
                 tl_dt = ops.TL_DTYPE[torch.int32 if combine == "any" else dt]
                 self.emit(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {tl_dt})")
                 accs.append((n, part, combine, acc, dt))
 
+            acc_of = {n: acc for n, part, _, acc, _ in accs if part == "main"}
+
             def body():
                 for n, part, combine, acc, dt in accs:
+                    if n in online.values():
+                        continue  # updated with its max below
                     v = self._reduction_input(n)
+                    if n in online:
+                        self._online_update(acc, acc_of[online[n]], convert(v, self.dtypes[v], dt))
+                        continue
                     v = convert(v, self.dtypes[v], dt if combine != "any" else self.dtypes[v])
                     if part == "main" and combine == "var":
                         mean = self.reduced[(n, 1)]
                         self.emit(f"{acc} = {acc} + tl.where(rmask, ({v} - {mean}) * ({v} - {mean}), 0)")
                     elif combine in ("sum", "var"):
                         self.emit(f"{acc} = {acc} + tl.where(rmask, {v}, 0)")
-                    elif combine == "gather":
-                        iv = self.value(n.args[2], self.row_index_for(n.args[2]))
-                        rd = ix.texpr(self.full_index()[self.space.reduced[0]])
-                        self.emit(f"{acc} = {acc} + tl.where(rmask & (({rd}) == {iv}), {v}, 0)")
                     elif combine in ("max", "min"):
                         helper = "_maximum" if combine == "max" else "_minimum"
                         self.emit(f"{acc} = {helper}({acc}, tl.where(rmask, {v}, {_identity(combine, dt)}))")
@@ -407,7 +417,12 @@ class KernelWriter:
                     self.reduced[(n, 1)] = self.new(f"{s} / {self.space.r}.0", dt)
                 elif combine == "var":
                     self._finish_var(n, self.new(f"tl.sum({acc}, 1)[:, None]", dt), self.reduced[(n, 1)], dt)
-                elif combine in ("sum", "gather"):
+                elif n in online.values():
+                    m_acc = acc_of[self.region.online_max(n)]
+                    m = self.reduced[(self.region.online_max(n), 0)]
+                    self.reduced[(n, 0)] = self.new(
+                        f"tl.sum(tl.where({m_acc} > -float(\"inf\"), {acc} * tl.exp({m_acc} - {m}), 0), 1)[:, None]", dt)
+                elif combine == "sum":
                     s = self.new(f"tl.sum({acc}, 1)[:, None]", dt)
                     mean = self.cg.info[n].mean
                     self.reduced[(n, 0)] = self.new(f"{s} / {self.space.r}.0", out_dt) if mean else s
@@ -417,6 +432,14 @@ class KernelWriter:
                     self.reduced[(n, 0)] = self.new(red, dt)
                 elif combine == "any":
                     self.reduced[(n, 0)] = self.new(f"tl.max({acc}, 1)[:, None] > 0", torch.bool)
+
+    def _online_update(self, m_acc: str, s_acc: str, v: str):
+        """Running max and running sum of exp(v - max), rescaled as the max grows (one pass)."""
+        m_new = self.new(f"_maximum({m_acc}, tl.where(rmask, {v}, -float(\"inf\")))", torch.float32)
+        live = f"{m_new} > -float(\"inf\")"
+        self.emit(f"{s_acc} = tl.where({live}, {s_acc} * tl.exp({m_acc} - {m_new}), 0) + "
+                  f"tl.where(rmask & ({live}), tl.exp({v} - {m_new}), 0)")
+        self.emit(f"{m_acc} = {m_new}")
 
     # ------------------------------------------------------------------ stores
     def _store(self, o, idx):

@@ -138,10 +138,13 @@ class ComputeGraph:
     def read_elems(self, consumer, base) -> int:
         """Elements a consumer reads of `base`: the smallest tensor on the view chain between them."""
         best = None
-        for a in operands(consumer):
+        kind = self.info.get(consumer)
+        for i, a in enumerate(operands(consumer)):
             chain = self._chain_to(a, base)
             if chain is not None:
                 m = min(meta(c).numel() for c in chain)
+                if i == 0 and isinstance(kind, ops.Layout) and kind.indirect:  # a gather reads what it picks
+                    m = min(m, meta(consumer).numel())
                 best = m if best is None else max(best, m)
         return best if best is not None else meta(base).numel()
 

@@ -6,7 +6,7 @@ Kinds:
 - layout: an index map (view, permute, expand, slice, cat, ...). Inside a kernel it is index math,
   never a copy. `index_map` returns, for an output index tuple, the branches (operand, input index,
   condition) and the value where no branch applies.
-- reduction: combines elements over some dims (sum, amax, var, argmax, gather along the row, ...).
+- reduction: combines elements over some dims (sum, amax, var, argmax, any).
 - opaque: everything else (matmul, conv, embedding, random ops): left to eager, with the reason.
 """
 from __future__ import annotations
@@ -67,11 +67,12 @@ class Pointwise:
 class Layout:
     index_map: Callable  # (node, out_index, ranges) -> (branches, other)
     copies: bool = False  # eager materialises its output (clone, cat, pad); views cost nothing there
+    indirect: bool = False  # the index along one dim is data (gather): codegen loads it first
 
 
 @dataclass(frozen=True)
 class Reduction:
-    combine: str          # sum | max | min | argmax | argmin | any | var | gather
+    combine: str          # sum | max | min | argmax | argmin | any | var
     mean: bool = False    # divide the sum by the number of reduced elements
 
 
@@ -420,6 +421,7 @@ LAYOUT = {
     aten.clone: L(_identity, copies=True), aten.lift_fresh_copy: L(_identity, copies=True),
     aten.cat: L(_cat, copies=True), aten.flip: L(_flip, copies=True),
     aten.constant_pad_nd: L(_pad, copies=True),
+    aten.gather: L(None, copies=True, indirect=True),
 }
 
 
@@ -438,7 +440,7 @@ R = Reduction
 REDUCTION = {
     aten.sum: R("sum"), aten.mean: R("sum", mean=True), aten.amax: R("max"), aten.amin: R("min"),
     aten.argmax: R("argmax"), aten.argmin: R("argmin"), aten.any: R("any"),
-    aten.var: R("var"), aten.var_mean: R("var"), aten.gather: R("gather"),
+    aten.var: R("var"), aten.var_mean: R("var"),
 }
 
 
@@ -446,8 +448,6 @@ def reduction_dims(node) -> tuple[int, ...]:
     """The dims a reduction node reduces over its input (all dims where the op says so)."""
     ndim = len(_shape(node.args[0]))
     op = node.target.overloadpacket
-    if op is aten.gather:
-        return (node.args[1] % max(ndim, 1),)
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if op in (aten.argmax, aten.argmin) and dims is None:
         dims = None

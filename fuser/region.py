@@ -104,13 +104,23 @@ class Region:
         for n in self.nodes:
             deps = [lvl.get(a, 0) for a in self._member_deps(n)]
             base = max(deps, default=0)
-            if _is_reduction(self.cg, n):
+            partner = self.online_max(n)
+            if partner is not None:  # computed in the same pass as its max
+                lvl[n] = lvl[partner]
+            elif _is_reduction(self.cg, n):
                 # var needs its mean first: two chained passes
                 extra = 2 if self.cg.info[n].combine == "var" else 1
                 lvl[n] = base + extra
             else:
                 lvl[n] = base
         return lvl
+
+    def online_max(self, n):
+        """The amax in this region that `n` = sum(exp(A - amax(A))) can share a pass with, if any."""
+        from fuser.patterns.softmax import online_max
+
+        m = online_max(n) if _is_reduction(self.cg, n) else None
+        return m if m in self.members else None
 
     def _member_deps(self, n) -> list:
         if n.target is operator.getitem:

@@ -68,11 +68,27 @@ def test_softmax_counts_and_is_one_pass_when_rows_fit():
 
 
 def test_long_rows_are_read_once_per_pass():
-    m, r = 1024, 40000  # longer than a row held in registers: max pass, sum pass, write pass
+    """Rows longer than registers hold loop over R: the max and the sum of exp share one (online)
+    pass, the normalised write takes a second; var needs its mean first."""
+    m, r = 1024, 40000
     regions, part = regions_of(lambda x: torch.softmax(x, -1), (m, r))
     (region,) = regions
     assert not region.space.persistent
-    assert int(part.cost(region).bytes_fused) == (3 + 1) * m * r * F32
+    assert int(part.cost(region).bytes_fused) == (2 + 1) * m * r * F32
+    regions, part = regions_of(lambda x: torch.var(x * 2.0, -1), (m, r))
+    assert int(part.cost(regions[0]).bytes_fused) == (2 * m * r + m) * F32
+
+
+def test_cross_entropy_reads_the_logits_once():
+    """Online log-sum-exp, and the target logit picked by a gather load: one pass over the logits."""
+    n, v = 8192, 128256
+    with FakeTensorMode():
+        gm = make_fx(lambda l, t: F.cross_entropy(l.float(), t), decomposition_table=decompositions())(
+            torch.empty(n, v, dtype=torch.bfloat16), torch.empty(n, dtype=torch.long))
+    part = Partitioner(gm.graph)
+    big = [r for r in part.partition() if "gather" in names(r)][0]
+    assert {"amax", "exp", "sum", "log", "gather"} <= names(big) and not big.space.persistent
+    assert int(part.cost(big).bytes_fused) < 1.01 * n * v * 2  # the bf16 logits, once
 
 
 def test_lone_op_is_not_fused():

@@ -1,0 +1,1 @@
+"""Subgraph recognisers: shapes in the ATen graph that a region can compute better than op by op."""
