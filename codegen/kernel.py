@@ -47,6 +47,7 @@ class KernelSource:
     source: str
     plan: BlockPlan
     grid: int
+    launcher: object = None  # the jitted kernel bound to its grid, once loaded
 
 
 def _minmax(combine: str, v: str) -> str:

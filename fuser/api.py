@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from . import backend
 from .report import FusionReport
@@ -26,11 +25,15 @@ class FusedModule(torch.nn.Module):
         self._graph_reports: list[FusionReport] = []
         self._latest: list[FusionReport] = []
         self.graph_modules: list[torch.fx.GraphModule] = []  # the rewritten graphs, in capture order
+        self._seen_devices: frozenset | None = None
         compiled = torch.compile(model, backend=backend.make_backend(self._captured, options), dynamic=False)
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second copy of the weights
 
     def forward(self, *args, **kwargs):
-        _check_devices(self.model, args, kwargs)
+        devices = _devices(args, kwargs)
+        if devices != self._seen_devices:  # weights are checked when the inputs' devices change
+            _check_devices(self.model, devices)
+            self._seen_devices = devices
         before = len(self._graph_reports)
         try:
             out = self._compiled(*args, **kwargs)
@@ -61,9 +64,18 @@ class FusedModule(torch.nn.Module):
         return "\n".join(self.report.code)
 
 
-def _check_devices(model, args, kwargs):
-    devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0}
-    devices |= {p.device for p in model.parameters()} | {b.device for b in model.buffers() if b.dim() > 0}
+def _devices(args, kwargs) -> frozenset:
+    """Devices of the tensor arguments (and of tensors one container deep), 0-d scalars aside."""
+    found = set()
+    for a in (*args, *kwargs.values()):
+        for t in (a.values() if isinstance(a, dict) else a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                found.add(t.device)
+    return frozenset(found)
+
+
+def _check_devices(model, devices):
+    devices = set(devices) | {p.device for p in model.parameters()} | {b.device for b in model.buffers() if b.dim() > 0}
     if len(devices) > 1:
         raise ValueError(f"fuser: inputs and weights are on mixed devices {sorted(map(str, devices))}; "
                          "move them to one device")

@@ -1,0 +1,290 @@
+"""fuser.codegen.attention against eager attention computed in float64.
+
+Tolerances (kernel output vs the float64 reference; the kernel accumulates in fp32):
+  float32   atol = rtol = 2e-5   fp32 scores (no tf32: the kernel asks for IEEE dots), fp32 output
+  float16   atol = rtol = 5e-3   P is rounded to fp16 before P@V, output rounded to fp16 (2^-11 relative)
+  bfloat16  atol = rtol = 3e-2   same with 8 mantissa bits; CUDA only: the interpreter's bf16 tl.dot is wrong
+  lse       atol = rtol = 1e-4   fp32 logsumexp, any input dtype
+
+Runs on the Triton interpreter on CPU; FUSER_TEST_DEVICE=cuda (with a GPU) runs the compiled kernels instead.
+"""
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    attention = importlib.import_module("fuser.codegen.attention")
+except ImportError:  # the package may not be installed yet: the module is standalone, load it by path
+    _spec = importlib.util.spec_from_file_location(
+        "fuser_codegen_attention", Path(__file__).resolve().parents[1] / "codegen" / "attention.py")
+    attention = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = attention  # dataclasses look their module up while the class is built
+    _spec.loader.exec_module(attention)
+
+ScoreMod, flash_attention, attention_source = attention.ScoreMod, attention.flash_attention, attention.attention_source
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("FUSER_TEST_DEVICE") == "cuda" else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+NEG_INF = float("-inf")
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FUSER_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "fuser-cache"))
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype, device=DEVICE)
+
+
+def qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32):
+    return rand(B, Hq, M, D, dtype=dtype), rand(B, Hkv, N, D, dtype=dtype), rand(B, Hkv, N, D, dtype=dtype)
+
+
+def reference(q, k, v, scale, mod=None, causal=False, offset=0, window=None):
+    """Eager attention in float64: ``mod(s, q_idx, k_idx)`` sees the scaled scores, as the kernel's lines do."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, 1)
+    v = v.double().repeat_interleave(group, 1)
+    s = q.double() @ k.transpose(-1, -2) * scale
+    M, N = s.shape[-2:]
+    q_idx = torch.arange(M, device=q.device)[:, None]
+    k_idx = torch.arange(N, device=q.device)[None, :]
+    if mod is not None:
+        s = mod(s, q_idx, k_idx)
+    if causal:
+        s = s.masked_fill(k_idx > q_idx + offset, NEG_INF)
+    if window is not None:
+        s = s.masked_fill(q_idx + offset - k_idx >= window, NEG_INF)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def check(out, ref, dtype):
+    assert out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype], equal_nan=True)
+
+
+def check_lse(lse, ref_lse):
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [16, 40, 64, 256])
+@pytest.mark.parametrize("M,N", [(37, 37), (50, 50), (29, 64), (50, 23)])
+def test_plain(dtype, D, M, N):
+    torch.manual_seed(0)
+    q, k, v = qkv(1, 2, 2, M, N, D, dtype)
+    out, lse = flash_attention(q, k, v, scale=D ** -0.5, return_lse=True)
+    ref, ref_lse = reference(q, k, v, D ** -0.5)
+    check(out, ref, dtype)
+    check_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hkv", [2, 1])
+def test_gqa(dtype, Hkv):
+    torch.manual_seed(1)
+    q, k, v = qkv(2, 4, Hkv, 37, 45, 32, dtype)
+    check(flash_attention(q, k, v, scale=0.2), reference(q, k, v, 0.2)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_inputs(dtype):
+    """(B, T, H, D) activations and a packed (B, T, 3, H, D) qkv, read through permuted views without a copy."""
+    torch.manual_seed(2)
+    B, T, H, D = 2, 37, 3, 24
+    q = rand(B, T, H, D, dtype=dtype).permute(0, 2, 1, 3)
+    packed = rand(B, T + 4, 3, H, D, dtype=dtype)[:, 2:-2]
+    k, v = packed[:, :, 1].permute(0, 2, 1, 3), packed[:, :, 2].permute(0, 2, 1, 3)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    check(flash_attention(q, k, v, scale=D ** -0.5), reference(q, k, v, D ** -0.5)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,offset", [(37, 37, 0), (50, 50, 0), (20, 45, 25), (45, 20, 0), (45, 20, -25)])
+def test_causal(dtype, M, N, offset):
+    """Top-left (0) and bottom-right (N - M) alignment; a negative offset leaves whole rows masked: NaN, as eager."""
+    torch.manual_seed(3)
+    q, k, v = qkv(1, 4, 2, M, N, 40, dtype)
+    out, lse = flash_attention(q, k, v, scale=0.15, mod=ScoreMod((), causal=True, causal_offset=offset), return_lse=True)
+    ref, ref_lse = reference(q, k, v, 0.15, causal=True, offset=offset)
+    assert ref.isnan().any() == (offset < 0)
+    check(out, ref, dtype)
+    check_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_as_score_mod(dtype):
+    """The recogniser's fallback when it cannot prove the structure: the mask as a line, every tile visited."""
+    torch.manual_seed(4)
+    q, k, v = qkv(2, 2, 1, 37, 37, 32, dtype)
+    mod = ScoreMod(('s = tl.where(k_idx <= q_idx, s, float("-inf"))',))
+    out = flash_attention(q, k, v, scale=0.2, mod=mod)
+    check(out, reference(q, k, v, 0.2, causal=True)[0], dtype)
+    structural = flash_attention(q, k, v, scale=0.2, mod=ScoreMod((), causal=True))
+    torch.testing.assert_close(out, structural, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bool_mask_extra(dtype):
+    """A [B, 1, M, N] bool mask read in place, with some rows masked entirely: NaN there, as eager gives."""
+    torch.manual_seed(5)
+    B, H, M, N = 2, 2, 37, 41
+    q, k, v = qkv(B, H, H, M, N, 16, dtype)
+    mask = torch.rand(B, 1, M, N, device=DEVICE) > 0.3
+    mask[0, 0, 3] = False
+    mask[1, 0, 30:] = False
+    mod = ScoreMod(('s = tl.where(extra0, s, float("-inf"))',), n_extra=1)
+    out = flash_attention(q, k, v, scale=0.25, mod=mod, extras=(mask,))
+    ref = reference(q, k, v, 0.25, mod=lambda s, qi, ki: s.masked_fill(~mask, NEG_INF))[0]
+    assert ref[0, :, 3].isnan().all() and ref[1, :, 30:].isnan().all() and not ref[0, :, 4].isnan().any()
+    check(out, ref, dtype)
+
+
+def test_key_padding_mask_broadcast():
+    """A [B, N] key-padding mask viewed as [B, 1, 1, N]: stride 0 over heads and queries."""
+    torch.manual_seed(6)
+    B, H, M, N = 3, 2, 29, 29
+    q, k, v = qkv(B, H, H, M, N, 32)
+    lengths = torch.tensor([29, 17, 5], device=DEVICE)
+    keep = torch.arange(N, device=DEVICE)[None, :] < lengths[:, None]
+    mod = ScoreMod(('s = tl.where(extra0, s, float("-inf"))',), n_extra=1)
+    out = flash_attention(q, k, v, scale=0.2, mod=mod, extras=(keep[:, None, None, :],))
+    ref = reference(q, k, v, 0.2, mod=lambda s, qi, ki: s.masked_fill(~keep[:, None, None, :], NEG_INF))[0]
+    check(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_additive_finfo_min_mask(dtype):
+    """BERT's (1 - mask) * finfo(dtype).min: a sample with every key masked gets eager's uniform average over keys."""
+    torch.manual_seed(7)
+    B, H, M, N = 3, 2, 21, 37
+    q, k, v = qkv(B, H, H, M, N, 32, dtype)
+    keep = (torch.arange(N, device=DEVICE)[None, :] < torch.tensor([37, 12, 0], device=DEVICE)[:, None])
+    bias = ((1.0 - keep.to(dtype)) * torch.finfo(dtype).min)[:, None, None, :]
+    if dtype == torch.float32:
+        mod, ref_mod = ("s = s + extra0",), lambda s, qi, ki: s + bias
+    else:  # eager adds in the 16-bit dtype; keeping that rounding keeps its fully masked rows (module docstring)
+        tl_dtype = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}[dtype]
+        mod = (f"s = (s.to({tl_dtype}) + extra0).to(tl.float32)",)
+        ref_mod = lambda s, qi, ki: (s.to(dtype) + bias).double()  # noqa: E731
+    out = flash_attention(q, k, v, scale=0.2, mod=ScoreMod(mod, n_extra=1), extras=(bias,))
+    ref = reference(q, k, v, 0.2, mod=ref_mod)[0]
+    uniform = v[2].double().mean(1, keepdim=True).expand(H, M, 32)
+    torch.testing.assert_close(ref[2], uniform)
+    check(out, ref, dtype)
+
+
+def alibi_slopes(H):
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device=DEVICE, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alibi_bias_extra(dtype):
+    """ALiBi as a materialised [1, H, M, N] fp32 bias, broadcast over the batch, with the causal structure."""
+    torch.manual_seed(8)
+    B, H, M, N = 2, 4, 37, 37
+    q, k, v = qkv(B, H, H, M, N, 16, dtype)
+    rel = (torch.arange(N, device=DEVICE)[None, :] - torch.arange(M, device=DEVICE)[:, None]).double()
+    bias = (alibi_slopes(H)[:, None, None] * rel)[None].float()
+    mod = ScoreMod(("s = s + extra0",), n_extra=1, causal=True)
+    out = flash_attention(q, k, v, scale=0.25, mod=mod, extras=(bias,))
+    check(out, reference(q, k, v, 0.25, mod=lambda s, qi, ki: s + bias.double(), causal=True)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alibi_in_kernel(dtype):
+    """ALiBi computed from h_idx, q_idx, k_idx: no bias tensor read at all."""
+    torch.manual_seed(9)
+    B, H, M, N = 2, 4, 37, 37
+    q, k, v = qkv(B, H, H, M, N, 16, dtype)
+    mod = ScoreMod((
+        f"slope = tl.exp2(-8.0 * (h_idx + 1).to(tl.float32) / {H})",
+        "s = s + slope * (k_idx - q_idx).to(tl.float32)",
+    ), causal=True)
+    out = flash_attention(q, k, v, scale=0.25, mod=mod)
+    ref_mod = lambda s, qi, ki: s + alibi_slopes(H)[:, None, None] * (ki - qi)  # noqa: E731
+    check(out, reference(q, k, v, 0.25, mod=ref_mod, causal=True)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tanh_softcap(dtype):
+    """Gemma-2 style cap * tanh(s / cap), tanh via tl.exp (libdevice is unavailable in the interpreter)."""
+    torch.manual_seed(10)
+    q, k, v = qkv(2, 2, 1, 37, 37, 32, dtype)
+    q = q * 4  # scores well past the cap
+    cap = 5.0
+    mod = ScoreMod((f"s = {cap} * (1.0 - 2.0 / (tl.exp(2.0 * s / {cap}) + 1.0))",), causal=True)
+    out = flash_attention(q, k, v, scale=32 ** -0.5, mod=mod)
+    ref = reference(q, k, v, 32 ** -0.5, mod=lambda s, qi, ki: cap * torch.tanh(s / cap), causal=True)[0]
+    check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,M,N,offset,window", [
+    (True, 50, 50, 0, 8), (True, 20, 45, 25, 13), (False, 37, 37, 0, 5), (True, 37, 37, 0, 1)])
+def test_sliding_window(dtype, causal, M, N, offset, window):
+    torch.manual_seed(11)
+    q, k, v = qkv(1, 4, 2, M, N, 24, dtype)
+    mod = ScoreMod((), causal=causal, causal_offset=offset, window=window)
+    out = flash_attention(q, k, v, scale=0.2, mod=mod)
+    check(out, reference(q, k, v, 0.2, causal=causal, offset=offset, window=window)[0], dtype)
+
+
+def test_masked_tiles_are_skipped():
+    """K/V rows that no query of a block may see are never loaded: NaN planted there does not reach the output.
+
+    (Had they been loaded, 0 * NaN in P@V would poison the rows.)  Assumes BLOCK_M, BLOCK_N <= 128, true of every
+    configuration the module picks.
+    """
+    torch.manual_seed(12)
+    q, k, v = qkv(1, 2, 2, 16, 272, 32)
+    ref = reference(q, k, v, 0.2, causal=True)[0]
+    k[:, :, 128:], v[:, :, 128:] = float("nan"), float("nan")
+    check(flash_attention(q, k, v, scale=0.2, mod=ScoreMod((), causal=True)), ref, torch.float32)
+
+    q, k, v = qkv(1, 2, 2, 272, 272, 32)
+    ref = reference(q, k, v, 0.2, causal=True, window=8)[0]
+    k[:, :, :128], v[:, :, :128] = float("nan"), float("nan")
+    out = flash_attention(q, k, v, scale=0.2, mod=ScoreMod((), causal=True, window=8))
+    check(out[:, :, 256:].contiguous(), ref[:, :, 256:], torch.float32)
+
+
+def test_generated_source_is_cached_and_readable(tmp_path, monkeypatch):
+    import inspect
+
+    monkeypatch.setenv("FUSER_CACHE_DIR", str(tmp_path))
+    mod = ScoreMod(("s = s + extra0",), n_extra=1, causal=True, causal_offset=3, window=16)
+    src = attention_source(mod, 40, torch.float16)
+    assert "HBM bytes" in src and "s = s + extra0" in src and "k_idx <= q_idx + 3" in src
+    assert src == attention_source(mod, 40, torch.float16)
+    torch.manual_seed(13)
+    q, k, v = qkv(1, 1, 1, 5, 8, 40, torch.float16)
+    bias = rand(1, 1, 5, 8)
+    flash_attention(q, k, v, scale=1.0, mod=mod, extras=(bias,))
+    files = list(tmp_path.rglob("*.py"))
+    assert len(files) == 1 and files[0].read_text() == src and len(files[0].stem) == 64
+    fn = attention._load(src)
+    assert fn is attention._load(src)
+    assert "def attention_fwd" in inspect.getsource(getattr(fn, "fn", fn))
+
+
+def test_lse_of_masked_rows_is_minus_inf():
+    torch.manual_seed(14)
+    q, k, v = qkv(1, 1, 1, 20, 10, 16)
+    _, lse = flash_attention(q, k, v, scale=0.3, mod=ScoreMod((), causal=True, causal_offset=-12), return_lse=True)
+    assert torch.isneginf(lse[0, 0, :12]).all() and torch.isfinite(lse[0, 0, 12:]).all()
+    check_lse(lse, reference(q, k, v, 0.3, causal=True, offset=-12)[1])
+
+
+def test_wrong_number_of_extras():
+    q, k, v = qkv(1, 1, 1, 4, 4, 16)
+    with pytest.raises(ValueError, match="extra"):
+        flash_attention(q, k, v, scale=1.0, mod=ScoreMod(("s = s + extra0",), n_extra=1))
