@@ -15,6 +15,7 @@ import importlib.util
 import os
 import threading
 
+import torch
 from triton import knobs
 
 _loaded: dict[str, object] = {}
@@ -61,3 +62,27 @@ def load(source: str, name: str):
         spec.loader.exec_module(module)
         _loaded[sha] = _by_source[source] = getattr(module, name)
         return _loaded[sha]
+
+
+class Launcher:
+    """Launches one kernel on its grid.  On CUDA, after Triton's JIT has compiled it, later launches
+    call the compiled kernel directly, skipping the JIT's per-call argument binding (about 15 us of
+    host time, which small kernels wait on).  The JIT specialises our kernels only on pointer
+    alignment, so a call whose alignment differs goes back through the JIT."""
+
+    def __init__(self, fn, grid: int, meta: dict):
+        self.fn, self.grid, self.meta = fn, grid, meta
+        self.constexprs = tuple(v for k, v in meta.items() if k != "num_warps")  # in parameter order
+        self.compiled = None
+        self.aligned = None
+
+    def __call__(self, *args):
+        if self.compiled is not None and knobs.runtime.launch_enter_hook is None:
+            if tuple(a.data_ptr() % 16 == 0 for a in args) == self.aligned:
+                stream = torch._C._cuda_getCurrentRawStream(args[-1].device.index)
+                self.compiled.run(self.grid, 1, 1, stream, self.compiled.function, self.compiled.packed_metadata,
+                                  None, None, None, *args, *self.constexprs)
+                return
+        compiled = self.fn[(self.grid,)](*args, **self.meta)
+        if self.compiled is None and args[-1].is_cuda and hasattr(compiled, "packed_metadata"):
+            self.compiled, self.aligned = compiled, tuple(a.data_ptr() % 16 == 0 for a in args)

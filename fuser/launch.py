@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fuser.codegen.compile import check_mode, load
+from fuser.codegen.compile import Launcher, check_mode, load
 from fuser.codegen.kernel import KernelSource, TensorSig, generate
 from .graph import meta
 from .region import Region
@@ -63,12 +63,12 @@ class RegionKernel(torch.nn.Module):
         if not self.empty:
             if src.launcher is None:
                 check_mode(device.type)
-                src.launcher = load(src.source, src.name)[(src.grid,)]
+                src.launcher = Launcher(load(src.source, src.name), src.grid, meta_args)
             if device.type == "cuda" and device.index != torch.cuda.current_device():
                 with torch.cuda.device(device):
-                    src.launcher(*inputs, *outs, **meta_args)
+                    src.launcher(*inputs, *outs)
             else:
-                src.launcher(*inputs, *outs, **meta_args)
+                src.launcher(*inputs, *outs)
         return tuple(outs)
 
     def extra_repr(self) -> str:

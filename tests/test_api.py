@@ -135,3 +135,13 @@ def test_torch_compile_backend_name_in_a_fresh_process(device):
         env["TRITON_INTERPRET"] = "1"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_repeated_calls_and_misaligned_inputs(device):
+    """Later launches take the direct path; a misaligned input must go back through the JIT."""
+    fused = fuser.fuse(chain)
+    for offset in (0, 0, 1, 0, 3):
+        buf = torch.randn(37 * 53 + offset, device=device)
+        a = buf[offset:].view(37, 53)
+        b = torch.randn(53, device=device)
+        torch.testing.assert_close(fused(a, b), chain(a, b), **TOL)
