@@ -57,8 +57,10 @@ class RegionKernel(torch.nn.Module):
         device = next((t.device for t in inputs if t.dim() > 0), self.device)
         if device.type != self.device_type:
             raise RuntimeError(f"{self.name}: made for {self.device_type} tensors, given {device.type} ones")
-        inputs = [t.to(device) if t.device != device else t for t in inputs]  # 0-d CPU scalars
-        src, meta_args = self._variant(self._check(inputs))
+        if any(t.device != device for t in inputs):
+            inputs = [t.to(device) for t in inputs]  # 0-d CPU scalars
+        sigs = self._check(inputs)
+        src, meta_args = self.variants[sigs] if sigs is self.in_sigs else self._variant(sigs)
         outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device) for s in self.out_sigs]
         if not self.empty:
             if src.launcher is None:
