@@ -125,8 +125,7 @@ def _div_mode(a: Args) -> str:
     if mode is None:
         return f"({a[0]} / {a[1]})"
     if _is_float(a):
-        q = f"({a[0]} / {a[1]})"
-        return f"tl.floor({q})" if mode == "floor" else f"_trunc({q})"
+        return f"_floordiv_float({a[0]}, {a[1]})" if mode == "floor" else f"_trunc({a[0]} / {a[1]})"
     return f"_floordiv_int({a[0]}, {a[1]})" if mode == "floor" else f"({a[0]} // {a[1]})"
 
 
@@ -222,7 +221,7 @@ POINTWISE = {
     aten.frac: P(lambda a: f"({a[0]} - _trunc({a[0]}))"),
     aten.remainder: P(lambda a: f"_remainder({a[0]}, {a[1]})"),
     aten.fmod: P(lambda a: f"_fmod({a[0]}, {a[1]})"),
-    aten.floor_divide: P(lambda a: f"tl.floor({a[0]} / {a[1]})" if _is_float(a) else f"_floordiv_int({a[0]}, {a[1]})"),
+    aten.floor_divide: P(lambda a: f"_floordiv_float({a[0]}, {a[1]})" if _is_float(a) else f"_floordiv_int({a[0]}, {a[1]})"),
     aten.eq: P(lambda a: f"({a[0]} == {a[1]})", promote_inputs=True),
     aten.ne: P(lambda a: f"({a[0]} != {a[1]})", promote_inputs=True),
     aten.lt: P(lambda a: f"({a[0]} < {a[1]})", promote_inputs=True),
@@ -315,6 +314,17 @@ def _remainder(a, b):
 @triton.jit
 def _fmod(a, b):
     return a % b
+""",
+    "_floordiv_float": """
+@triton.jit
+def _floordiv_float(a, b):
+    # as torch computes it (c10's div_floor_floating): exact where a / b rounds onto an integer
+    mod = a % b
+    div = (a - mod) / b
+    div = tl.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1.0, div)
+    fl = tl.floor(div)
+    fl = tl.where(div - fl > 0.5, fl + 1.0, fl)
+    return tl.where(b == 0, a / b, tl.where(div == 0, div * 0.0, fl))
 """,
     "_floordiv_int": """
 @triton.jit
