@@ -2,26 +2,16 @@
 
 The attention recogniser hands over what sits between ``Q @ K^T`` and ``softmax`` (scaling, masks, biases,
 soft-capping) as a :class:`ScoreMod`; :func:`attention_source` splices it into one fused kernel so the
-``M x N`` score matrix never reaches HBM.  The source is written to a file named by its sha256 and imported
-from there, so ``triton.jit`` (which reads the source with ``inspect.getsource``) and a human reading a
-traceback both see the real text.
-
-Deliberately free of imports from the rest of ``fuser``: the module is used (and tested) standalone.
+``M x N`` score matrix never reaches HBM.  Compiled and cached like every other kernel (`compile.load`).
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
-import sys
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import triton
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
+
+from .compile import check_mode, load
 
 __all__ = ["ScoreMod", "attention_source", "flash_attention"]
 
@@ -204,51 +194,6 @@ def attention_fwd(
 '''
 
 
-_KERNELS: dict[str, object] = {}
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("FUSER_CACHE_DIR") or Path.home() / ".cache" / "fuser")
-
-
-def _load(source: str):
-    """``triton.jit`` function from source, via a file named by the source's sha256 (cached in memory too)."""
-    digest = hashlib.sha256(source.encode()).hexdigest()
-    fn = _KERNELS.get(digest)
-    if fn is not None:
-        return fn
-    path = _cache_dir() / "attention" / f"{digest}.py"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        os.replace(tmp, path)  # atomic: parallel test workers may write the same file
-    name = f"fuser_attention_{digest[:16]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    _KERNELS[digest] = fn = module.attention_fwd
-    return fn
-
-
-@contextmanager
-def _interpreting_library_jit_functions():
-    """Let the interpreter call ``triton.language``'s own ``@jit`` helpers (``tl.sum``, ``tl.max``, ``tl.zeros``).
-
-    Under ``TRITON_INTERPRET=1`` (set before triton is imported) they are already ``InterpretedFunction``s; without
-    it they are ``JITFunction``s, whose ``__call__`` refuses to run outside a compiled kernel, so a kernel wrapped
-    with ``InterpretedFunction`` alone fails on its first ``tl.sum``.  Route such calls through the interpreter
-    for the duration of the launch.
-    """
-    original = JITFunction.__call__
-    JITFunction.__call__ = lambda self, *args, **kwargs: InterpretedFunction(self.fn)(*args, **kwargs)
-    try:
-        yield
-    finally:
-        JITFunction.__call__ = original
-
-
 def _config(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages).
 
@@ -284,11 +229,9 @@ def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extr
     if len(extras) != mod.n_extra:
         raise ValueError(f"attention: score mod wants {mod.n_extra} extra tensor(s), got {len(extras)}")
 
-    fn = _load(attention_source(mod, D, q.dtype))
-    on_gpu = q.is_cuda and not isinstance(fn, InterpretedFunction)  # TRITON_INTERPRET=1 makes jit interpret
-    interpret = not q.is_cuda and not isinstance(fn, InterpretedFunction)
-    kernel = InterpretedFunction(fn.fn) if interpret else fn
-    block_m, block_n, num_warps, num_stages = _config(D, q.dtype, on_gpu)
+    check_mode(q.device.type)
+    kernel = load(attention_source(mod, D, q.dtype), "attention_fwd")
+    block_m, block_n, num_warps, num_stages = _config(D, q.dtype, q.is_cuda)
     # fp32 inputs: tf32 only where torch's matmul would use it too; 16-bit inputs ignore it (tf32 is Triton's default).
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     precision = "ieee" if ieee else "tf32"
@@ -300,12 +243,11 @@ def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extr
         e = e.expand(B, Hq, M, N)
         extra_args += [e, *e.stride()]
     grid = (triton.cdiv(M, block_m), B * Hq)
-    with _interpreting_library_jit_functions() if interpret else nullcontext():
-        kernel[grid](
-            q, k, v, out, lse, *extra_args,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            Hq, Hq // Hkv, M, N, float(scale),
-            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision, STORE_LSE=return_lse,
-            num_warps=num_warps, num_stages=num_stages,
-        )
+    kernel[grid](
+        q, k, v, out, lse, *extra_args,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        Hq, Hq // Hkv, M, N, float(scale),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision, STORE_LSE=return_lse,
+        num_warps=num_warps, num_stages=num_stages,
+    )
     return (out, lse) if return_lse else out
