@@ -70,6 +70,33 @@ def _promote(args, node) -> torch.dtype:
     return dt
 
 
+def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple = ()) -> tuple[str, torch.dtype]:
+    """The Triton expression of pointwise node n and the dtype it is held in.
+
+    `operand(a)` names the variable holding tensor operand a (dtypes maps variables to theirs); the
+    operands are converted to the op's compute dtype, and a cast rounds to its target dtype."""
+    out_dt = meta(n).dtype
+    op_dt = ops.compute_dtype(_promote(n.args, n) if kind.promote_inputs else out_dt)
+    rendered = []
+    for pos, a in enumerate(n.args):
+        if isinstance(a, torch.fx.Node) and meta(a) is not None:
+            v = operand(a)
+            keep = kind.cast or (meta(a).dtype == torch.bool and pos in kind.bool_args)
+            rendered.append(v if keep else convert(v, dtypes[v], op_dt))
+        elif isinstance(a, (bool, int, float)):
+            rendered.append(ops.literal(a))
+        else:
+            rendered.append(a)
+    expr = kind.fmt(ops.Args(n, rendered, index))
+    res_dt = ops.compute_dtype(out_dt)
+    if kind.cast:
+        rounded = convert(expr, dtypes.get(rendered[0], op_dt), out_dt)
+        return (convert(rounded, out_dt, res_dt) if out_dt != res_dt else rounded), res_dt
+    if kind.promote_inputs:
+        return (expr, torch.bool) if out_dt == torch.bool else (convert(expr, op_dt, res_dt), res_dt)
+    return expr, res_dt
+
+
 def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
     if src == dst:
         return expr
@@ -251,38 +278,11 @@ class KernelWriter:
         return self._pointwise(n, kind, idx, cond)
 
     def _pointwise(self, n, kind: ops.Pointwise, idx, cond) -> str:
-        out_dt = meta(n).dtype
-        tensor_args = [a for a in n.args if isinstance(a, torch.fx.Node)]
-        op_dt = ops.compute_dtype(_promote(n.args, n) if kind.promote_inputs else out_dt)
-        rendered = []
-        for pos, a in enumerate(n.args):
-            if isinstance(a, torch.fx.Node) and meta(a) is not None:
-                v = self.value(a, ix.broadcast_index(idx, shape(n), shape(a)), cond)
-                keep_bool = meta(a).dtype == torch.bool and (
-                    n.target.overloadpacket in (ops.aten.where, ops.aten.masked_fill) and pos == (0 if n.target.overloadpacket is ops.aten.where else 1))
-                if kind.cast:
-                    rendered.append(v)
-                elif keep_bool:
-                    rendered.append(v)
-                else:
-                    rendered.append(convert(v, self.dtypes[v], op_dt))
-            elif isinstance(a, (bool, int, float)):
-                rendered.append(ops.literal(a))
-            else:
-                rendered.append(a)
-        del tensor_args
-        expr = kind.fmt(ops.Args(n, rendered, tuple(self.expand_aliases(i) for i in idx)))
-        if kind.cast:
-            src = self.dtypes[rendered[0]] if rendered and rendered[0] in self.dtypes else op_dt
-            rounded = convert(expr, src, out_dt)
-            expr = convert(rounded, out_dt, ops.compute_dtype(out_dt)) if out_dt != ops.compute_dtype(out_dt) else rounded
-            return self.new(expr, ops.compute_dtype(out_dt))
-        res_dt = ops.compute_dtype(out_dt)
-        if kind.promote_inputs and out_dt == torch.bool:
-            return self.new(expr, torch.bool)
-        if kind.promote_inputs:
-            return self.new(convert(expr, op_dt, res_dt), res_dt)
-        return self.new(expr, op_dt if op_dt == res_dt else res_dt)
+        def operand(a):
+            return self.value(a, ix.broadcast_index(idx, shape(n), shape(a)), cond)
+
+        index = tuple(self.expand_aliases(i) for i in idx)
+        return self.new(*lower_pointwise(n, kind, operand, self.dtypes, index))
 
     # ------------------------------------------------------------------ reductions
     def _reduced(self, n, component: int, idx) -> str:

@@ -12,7 +12,7 @@ from .report import FusionReport
 _reports: list[FusionReport] = []
 _lock = threading.Lock()
 
-OPTIONS = {}  # option name -> default; none yet (see issue 5)
+OPTIONS = {"attention": True}  # option -> default: recognise hand-written attention
 
 
 def record(report: FusionReport) -> int:
@@ -29,10 +29,11 @@ def make_backend(sink=None, options: dict | None = None):
     """A Dynamo backend that fuses each forward (and inference) graph it is given."""
     unknown = set(options or {}) - set(OPTIONS)
     if unknown:
-        raise ValueError(f"fuser: unknown option(s) {sorted(unknown)}; known: {sorted(OPTIONS) or 'none'}")
+        raise ValueError(f"fuser: unknown option(s) {sorted(unknown)}; known: {sorted(OPTIONS)}")
+    opts = {**OPTIONS, **(options or {})}
 
     def fw_compiler(gm, example_inputs):
-        new, report = compile_graph(gm, graph_index=len(_reports))
+        new, report = compile_graph(gm, graph_index=len(_reports), attention=opts["attention"])
         record(report)
         if sink is not None:
             sink(report, new)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import logging
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._decomp import core_aten_decompositions, get_decompositions
 
 from . import ops
-from .cost import evaluate
-from .graph import shape as node_shape
-from .launch import RegionKernel
+from .cost import eager_cost, evaluate, tensor_bytes
+from .graph import ComputeGraph
+from .launch import AttentionKernel, RegionKernel
 from .partition import Partitioner
 from .report import FusionReport, RegionReport, Unfused
 from .rewrite import rewrite
@@ -40,28 +41,33 @@ def _describe(n) -> str:
     return f"{list(v.shape)} {str(v.dtype).replace('torch.', '')}" if isinstance(v, torch.Tensor) else "?"
 
 
-def compile_graph(gm: fx.GraphModule, graph_index: int = 0) -> tuple[fx.GraphModule, FusionReport]:
-    """Partition, emit a kernel per region, rewrite.  What cannot be emitted stays eager, with why."""
+def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = True) -> tuple[fx.GraphModule, FusionReport]:
+    """Recognise attention, partition the rest, emit a kernel per region, rewrite.  What cannot be
+    emitted stays eager, with the reason."""
     from fuser.codegen.kernel import CodegenError
+    from fuser.patterns.attention import find
 
-    part = Partitioner(gm.graph)
-    regions = part.partition()
-    kept, kernels, dropped = [], [], []
-    for region in regions:
-        name = f"fused_{len(kept)}"
+    cg = ComputeGraph(gm.graph)
+    attentions = find(gm.graph, cg) if attention else []
+    taken = {n for a in attentions for n in a.nodes}
+    part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg)
+    report, units, kernels, dropped = FusionReport(), [], [], []
+    for a in attentions:
+        kernel = AttentionKernel(a, cg, f"attention_{a.id}")
+        units.append(a)
+        kernels.append(kernel)
+        report.regions.append(_attention_report(a, cg, kernel, graph_index, len(report.regions)))
+    for region in part.partition():
         try:
-            kernel = RegionKernel(region, name)
+            kernel = RegionKernel(region, f"fused_{region.id}")
         except CodegenError as e:
             dropped += [(n, f"codegen: {e}") for n in region.nodes]
             continue
-        region.id = len(kept)
-        kept.append(region)
+        units.append(region)
         kernels.append(kernel)
-    report = FusionReport()
-    for region, kernel in zip(kept, kernels):
         cost = part.cost(region)
         report.regions.append(RegionReport(
-            id=region.id, graph=graph_index, kind=region.kind,
+            id=len(report.regions), graph=graph_index, kind=region.kind,
             ops=[ops.op_name(n) for n in region.nodes],
             input_shapes=[_describe(n) for n in region.inputs],
             output_shapes=[_describe(n) for n in region.outputs],
@@ -69,15 +75,29 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0) -> tuple[fx.GraphMod
             bytes_unfused_expr=str(cost.bytes_unfused), bytes_fused_expr=str(cost.bytes_fused),
             launches_unfused=cost.launches_unfused, kernel=kernel.name, source=kernel.source))
         log.debug("region %s (%s, k=%.2f):\n%s", kernel.name, region.kind, cost.k, kernel.source)
-    for n, reason in part.unfused(kept) + [(n, r) for n, r in dropped if n.target is not _getitem]:
-        report.unfused.append(Unfused(ops.op_name(n), n.name, reason, graph_index))
-    devices = {node_shape and n.meta["val"].device.type for n in gm.graph.nodes
-               if isinstance(n.meta.get("val"), torch.Tensor)}
-    if "cpu" in devices and kept:
+    fused = {n for u in units for n in u.nodes}
+    for n, reason in part.unfused([u for u in units if u not in attentions]) + dropped:
+        if n not in fused and n.target is not _getitem:
+            report.unfused.append(Unfused(ops.op_name(n), n.name, reason, graph_index))
+    devices = {n.meta["val"].device.type for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    if "cpu" in devices and units:
         report.notes.append("CPU tensors: the kernels run through Triton's interpreter (correct, slow; for tests)")
-    new = rewrite(gm, kept, kernels) if kept else gm
+    new = rewrite(gm, units, kernels) if units else gm
     report.code.append(new.code)
     return new, report
+
+
+def _attention_report(a, cg, kernel, graph_index, rid) -> RegionReport:
+    """Unfused, every op of the attention is an eager kernel (the scores go to HBM and back each
+    time); fused, q, k, v and the masks are read once and the output written once."""
+    unfused = sum((eager_cost(cg, n)[0] for n in a.nodes if cg.is_compute(n)), sympy.Integer(0))
+    fused = sum((tensor_bytes(n) for n in [*a.inputs, a.out]), sympy.Integer(0))
+    return RegionReport(
+        id=rid, graph=graph_index, kind="attention", ops=[ops.op_name(n) for n in a.nodes if cg.is_compute(n)],
+        input_shapes=[_describe(n) for n in a.inputs], output_shapes=[_describe(a.out)],
+        bytes_unfused=evaluate(unfused), bytes_fused=evaluate(fused), bytes_unfused_expr=str(unfused),
+        bytes_fused_expr=str(fused), launches_unfused=sum(eager_cost(cg, n)[1] for n in a.nodes if cg.is_compute(n)),
+        kernel=kernel.name, source=kernel.source)
 
 
 _getitem = __import__("operator").getitem

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from fuser.codegen.attention import attention_source, flash_attention
 from fuser.codegen.compile import Launcher, check_mode, load
 from fuser.codegen.kernel import KernelSource, TensorSig, generate
-from .graph import meta
+from fuser.codegen.score_mod import score_mod
+from .graph import meta, shape
 from .region import Region
 
 
@@ -75,3 +77,25 @@ class RegionKernel(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.region.kind}, {len(self.region.nodes)} ops"
+
+
+class AttentionKernel(torch.nn.Module):
+    """A recognised attention as one flash-attention launch: the N x N scores never reach HBM."""
+
+    def __init__(self, att, cg, name: str):
+        super().__init__()
+        self.att, self.name = att, name
+        self.mod = score_mod(att.scores, att.chain, att.extras, cg)
+        self.in_shapes = tuple(shape(n) for n in att.inputs)
+        self.out_dtype = meta(att.out).dtype
+        self.source = attention_source(self.mod, shape(att.q)[-1], meta(att.q).dtype)
+
+    def forward(self, q, k, v, *extras):
+        got = tuple(tuple(t.shape) for t in (q, k, v, *extras))
+        if got != self.in_shapes:
+            raise RuntimeError(f"{self.name}: given shapes {got}, made for {self.in_shapes}; recapture for new shapes")
+        out = flash_attention(q, k, v, scale=1.0, mod=self.mod, extras=extras)
+        return (out if out.dtype == self.out_dtype else out.to(self.out_dtype),)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: attention, score mod: " + "; ".join(self.mod.lines)

@@ -61,6 +61,7 @@ class Pointwise:
     fmt: Callable  # (args: Args) -> str
     promote_inputs: bool = False  # compute in the inputs' promoted dtype (comparisons), not the result's
     cast: bool = False            # a dtype conversion: the value is rounded to the result dtype
+    bool_args: tuple = ()         # operand positions read as conditions (kept bool, not converted)
 
 
 @dataclass(frozen=True)
@@ -211,8 +212,8 @@ POINTWISE = {
     aten.maximum: P(lambda a: f"_maximum({a[0]}, {a[1]})"), aten.minimum: P(lambda a: f"_minimum({a[0]}, {a[1]})"),
     aten.clamp: P(_clamp), aten.clamp_min: P(lambda a: _clamp_literal(a[0], a[1] if isinstance(a.node.args[1], torch.fx.Node) else a.node.args[1], None)),
     aten.clamp_max: P(lambda a: _clamp_literal(a[0], None, a[1] if isinstance(a.node.args[1], torch.fx.Node) else a.node.args[1])),
-    aten.where: P(lambda a: f"tl.where({a[0]}, {a[1]}, {a[2]})"),
-    aten.masked_fill: P(lambda a: f"tl.where({a[1]}, {a[2]}, {a[0]})"),
+    aten.where: P(lambda a: f"tl.where({a[0]}, {a[1]}, {a[2]})", bool_args=(0,)),
+    aten.masked_fill: P(lambda a: f"tl.where({a[1]}, {a[2]}, {a[0]})", bool_args=(1,)),
     aten.sign: P(lambda a: f"tl.where({a[0]} > 0, 1, tl.where({a[0]} < 0, -1, {a[0]} * 0))"),
     aten.floor: P(lambda a: f"tl.floor({a[0]})" if _is_float(a) else a[0]),
     aten.ceil: P(lambda a: f"tl.ceil({a[0]})" if _is_float(a) else a[0]),

@@ -19,8 +19,9 @@ from .region import Region, analyze
 
 
 class Partitioner:
-    def __init__(self, graph: fx.Graph, supported: Callable[[fx.Node], bool] | None = None):
-        self.cg = ComputeGraph(graph)
+    def __init__(self, graph: fx.Graph, supported: Callable[[fx.Node], bool] | None = None,
+                 cg: ComputeGraph | None = None):
+        self.cg = cg or ComputeGraph(graph)
         self.supported = supported or (lambda n: True)
         self.dag = nx.DiGraph()
         for n in self.cg.nodes:

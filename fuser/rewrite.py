@@ -6,12 +6,12 @@ import operator
 import networkx as nx
 import torch.fx as fx
 
-from .region import Region
 
-
-def rewrite(gm: fx.GraphModule, regions: list[Region], kernels: list) -> fx.GraphModule:
-    """A new GraphModule in which each region is `self.fused_<id>(*inputs)`; prints as Python."""
+def rewrite(gm: fx.GraphModule, regions: list, kernels: list) -> fx.GraphModule:
+    """A new GraphModule in which each region (or recognised attention: anything with nodes, inputs
+    and outputs) is one `self.<kernel name>(*inputs)` call; prints as Python."""
     owner = {n: r for r in regions for n in r.nodes}
+    by_region = dict(zip(regions, kernels))
     units = nx.DiGraph()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
 
@@ -31,17 +31,13 @@ def rewrite(gm: fx.GraphModule, regions: list[Region], kernels: list) -> fx.Grap
                 units.add_edge(unit(a), n)
 
     def key(u):
-        return order[u.nodes[0]] if isinstance(u, Region) else order[u]
+        return order[u.nodes[0]] if u in by_region else order[u]
 
-    if not nx.is_directed_acyclic_graph(units):
-        cyc = nx.find_cycle(units)
-        raise RuntimeError("cycle: " + " -> ".join(str(getattr(a, 'name', [x.name for x in a.nodes] if isinstance(a, Region) else a)) for a, b in cyc))
     graph, env = fx.Graph(), {}
     for r, k in zip(regions, kernels):
         gm.add_submodule(k.name, k)
-    by_region = dict(zip(regions, kernels))
     for u in nx.lexicographical_topological_sort(units, key=key):
-        if isinstance(u, Region):
+        if u in by_region:
             k = by_region[u]
             call = graph.call_module(k.name, tuple(env[a] for a in u.inputs))
             for i, o in enumerate(u.outputs):

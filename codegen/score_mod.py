@@ -1,0 +1,34 @@
+"""The score chain of a recognised attention, as the lines of its kernel's score modification.
+
+Each chain node becomes one line over fp32 tiles: the scores are `s`, the masks and biases the
+chain reads are `extra0..`, loaded per tile by the kernel.  The op table lowers each node, exactly
+as it does in pointwise kernels.
+"""
+from __future__ import annotations
+
+import torch
+
+from fuser.graph import meta
+
+from .attention import ScoreMod
+from .kernel import lower_pointwise
+
+
+def score_mod(scores, chain: list, extras: list, cg) -> ScoreMod:
+    names = {scores: "s"}
+    dtypes = {"s": torch.float32}
+    for i, e in enumerate(extras):
+        names[e] = f"extra{i}"
+        dtypes[f"extra{i}"] = meta(e).dtype
+    lines = []
+    for i, n in enumerate(chain):
+        expr, dt = lower_pointwise(n, cg.info[n], names.__getitem__, dtypes)
+        names[n] = f"c{i}"
+        dtypes[f"c{i}"] = dt
+        lines.append(f"c{i} = {expr}")
+    last = names[chain[-1]] if chain else "s"
+    if dtypes[last] != torch.float32:
+        last = f"{last}.to(tl.float32)"
+    lines.append(f"s = {last}")
+    return ScoreMod(tuple(lines), n_extra=len(extras))
+

@@ -1,0 +1,225 @@
+"""Attention written out by hand: Q·Kᵀ → score modifications → softmax → ·V, found in the ATen graph.
+
+Eager attention (Hugging Face's "eager", most research code) writes the N×N scores to HBM several
+times.  Recognised here, it becomes one flash-attention kernel (codegen/attention.py) in which the
+score modifications found between the two matmuls run on each tile.  Shapes as AOT Autograd leaves
+them: each matmul is `bmm(view(expand(x)), view(expand(y)))` over [B*H, ., .]; repeat_kv is
+`view(clone(expand(unsqueeze(kv, 2))))`, which we undo so shared K/V heads are read, not copied.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fuser import ops
+from fuser.graph import ComputeGraph, meta, operands, shape
+
+aten = torch.ops.aten
+_VIEW = {aten.view, aten._unsafe_view, aten.reshape}
+_SAME = {aten.expand, aten.clone, aten.alias}  # no change of values on the way to a bmm operand
+
+
+def _packet(n):
+    return getattr(n.target, "overloadpacket", None) if isinstance(n, fx.Node) else None
+
+
+@dataclass(eq=False)
+class Attention:
+    """One recognised attention: what the kernel reads, what it replaces, and the score chain."""
+
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scores: fx.Node               # the [B, H, M, N] view of Q·Kᵀ: `s` in the score mod
+    chain: list                   # pointwise nodes from `scores` to the softmax input, in graph order
+    extras: list                  # tensors the chain reads besides the scores (masks, biases)
+    out: fx.Node                  # the [B, H, M, D] result
+    nodes: list = field(default_factory=list)  # every node the kernel replaces
+    id: int = 0
+
+    @property
+    def inputs(self) -> list:
+        return [self.q, self.k, self.v, *self.extras]
+
+    @property
+    def outputs(self) -> list:
+        return [self.out]
+
+    kind = "attention"
+
+
+def _operand4(n, dims4):
+    """The 4-D tensor behind a bmm operand `view(expand/clone(x))`, and the nodes walked."""
+    walked = []
+    if _packet(n) not in _VIEW:
+        return None, walked
+    walked.append(n)
+    n = n.args[0]
+    while _packet(n) in _SAME and shape(n) == dims4:
+        walked.append(n)
+        n = n.args[0]
+    return (n if shape(n) == dims4 else None), walked
+
+
+def _undo_repeat_kv(kv, walked):
+    """view(clone(expand(unsqueeze(x, 2)))) -> x: the kernel maps query heads onto shared K/V heads."""
+    n, seen = kv, []
+    if _packet(n) in _VIEW:
+        seen.append(n)
+        n = n.args[0]
+        if _packet(n) is aten.clone:
+            seen.append(n)
+            n = n.args[0]
+        if _packet(n) is aten.expand and len(shape(n)) == 5:
+            seen.append(n)
+            n = n.args[0]
+            if _packet(n) is aten.unsqueeze and n.args[1] == 2:
+                seen.append(n)
+                walked.extend(seen)
+                return n.args[0]
+    return kv
+
+
+def _softmax_input(p):
+    """X when p is the decomposed softmax exp(X - amax(X)) / sum(exp(...)) over the last dim."""
+    if _packet(p) is not aten.div or not isinstance(p.args[1], fx.Node):
+        return None, []
+    e, total = p.args
+    if _packet(e) is not aten.exp or _packet(total) is not aten.sum or total.args[0] is not e:
+        return None, []
+    d = e.args[0]
+    if _packet(d) is not aten.sub:
+        return None, []
+    x, m = d.args
+    last = len(shape(x)) - 1
+    if _packet(m) is not aten.amax or m.args[0] is not x:
+        return None, []
+    if ops.reduction_dims(m) != (last,) or ops.reduction_dims(total) != (last,):
+        return None, []
+    return x, [m, d, e, total, p]
+
+
+def _chain(x, scores, cg: ComputeGraph):
+    """Pointwise nodes that carry the scores to x, and the other tensors they read; None if not a chain."""
+    depends: dict = {}
+
+    def dep(n):
+        if n is scores:
+            return True
+        if not isinstance(n, fx.Node) or cg.order[n] < cg.order[scores]:
+            return False
+        if n not in depends:
+            depends[n] = any(dep(a) for a in operands(n))
+        return depends[n]
+
+    chain, extras, stack = [], [], [x]
+    while stack:
+        n = stack.pop()
+        if n is scores or n in chain:
+            continue
+        if not isinstance(cg.info.get(n), ops.Pointwise) or shape(n) != shape(scores):
+            return None
+        chain.append(n)
+        for a in operands(n):
+            if dep(a):
+                stack.append(a)
+            elif a not in extras:
+                extras.append(a)
+    return sorted(chain, key=cg.order.__getitem__), extras
+
+
+def _broadcast(a, b):
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        return None
+
+
+def _ancestors(n, stop_before: int, cg: ComputeGraph) -> set:
+    seen, stack = set(), [n]
+    while stack:
+        a = stack.pop()
+        if a in seen or cg.order[a] < stop_before:
+            continue
+        seen.add(a)
+        stack.extend(a.all_input_nodes)
+    return seen
+
+
+def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
+    """The attention whose final matmul is `pv`, if the graph around it is one."""
+    if _packet(pv) is not aten.bmm:
+        return None
+    users = list(pv.users)
+    if len(users) != 1 or _packet(users[0]) not in _VIEW or len(shape(users[0])) != 4:
+        return None
+    out = users[0]
+    b, h, m, d = shape(out)
+    p, walked_p = _operand4(pv.args[0], (b, h, m, shape(pv.args[0])[-1]))
+    if p is None:
+        return None
+    while _packet(p) in (aten._to_copy, aten.clone, aten.alias) and len(shape(p)) == 4:  # casts, dropout(eval)
+        walked_p.append(p)
+        p = p.args[0]
+    x, soft = _softmax_input(p)
+    if x is None:
+        return None
+    n = shape(x)[-1]
+    v, walked_v = _operand4(pv.args[1], (b, h, n, d))
+    if v is None:
+        return None
+    v = _undo_repeat_kv(v, walked_v)
+    # walk back from the softmax input to Q·Kᵀ
+    candidates = [a for a in _ancestors(x, 0, cg) if _packet(a) is aten.bmm and len(a.users) == 1
+                  and _packet(next(iter(a.users))) in _VIEW and shape(next(iter(a.users))) == (b, h, m, n)]
+    if not candidates:
+        return None
+    qk = max(candidates, key=cg.order.__getitem__)  # the nearest: earlier layers are ancestors too
+    scores = next(iter(qk.users))
+    found = _chain(x, scores, cg) if x is not scores else ([], [])
+    if found is None:
+        return None
+    chain, extras = found
+    q, walked_q = _operand4(qk.args[0], (b, h, m, d))
+    kt, walked_k = _operand4(qk.args[1], (b, h, d, n))
+    if q is None or kt is None or _packet(kt) is not aten.permute or list(kt.args[1]) not in ([0, 1, 3, 2],):
+        return None
+    walked_k.append(kt)
+    k = _undo_repeat_kv(kt.args[0], walked_k)
+    if shape(k)[:2] != (b, shape(v)[1]) or shape(k)[2:] != (n, d) or shape(v)[1] == 0 or h % shape(v)[1]:
+        return None
+    if meta(q).dtype != meta(k).dtype or meta(k).dtype != meta(v).dtype:
+        return None
+    for e in extras:  # masks and biases, broadcast over [B, H, M, N], not computed from V
+        if meta(e) is None or len(shape(e)) > 4 or _broadcast(shape(e), (b, h, m, n)) != (b, h, m, n):
+            return None
+        if v in _ancestors(e, cg.order[v], cg):
+            return None
+    core = [qk, scores, *chain, *soft, *walked_p, pv, out]
+    owned = set(core)
+    if any(u not in owned for n in core if n is not out for u in n.users):
+        return None  # the scores or probabilities are needed elsewhere (returned weights, say)
+    prep = walked_q + walked_k + walked_v
+    changed = True
+    while changed:  # the views and repeat_kv copies feeding the matmuls go too, where nothing else reads them
+        changed = False
+        for n in prep:
+            if n not in owned and all(u in owned for u in n.users):
+                owned.add(n)
+                changed = True
+    return Attention(q, k, v, scores, chain, extras, out, sorted(owned, key=cg.order.__getitem__))
+
+
+def find(graph: fx.Graph, cg: ComputeGraph | None = None) -> list[Attention]:
+    cg = cg or ComputeGraph(graph)
+    found = []
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem and _packet(n) is aten.bmm:
+            a = match(n, cg)
+            if a is not None:
+                a.id = len(found)
+                found.append(a)
+    return found
