@@ -42,6 +42,7 @@ class ScoreMod:
     causal: bool = False
     causal_offset: int = 0
     window: int | None = None
+    helpers: tuple[str, ...] = ()  # sources of @triton.jit functions the lines call
 
 
 _TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
@@ -127,7 +128,7 @@ HEAD_DIM = tl.constexpr({head_dim})
 BLOCK_D = tl.constexpr({block_d})
 LOG2E = tl.constexpr({_LOG2E!r})
 LN2 = tl.constexpr({_LN2!r})
-
+{"".join(mod.helpers)}
 
 @triton.jit
 def attention_fwd(

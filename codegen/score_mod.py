@@ -6,8 +6,11 @@ as it does in pointwise kernels.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
+from fuser import ops
 from fuser.graph import meta
 
 from .attention import ScoreMod
@@ -30,5 +33,7 @@ def score_mod(scores, chain: list, extras: list, cg) -> ScoreMod:
     if dtypes[last] != torch.float32:
         last = f"{last}.to(tl.float32)"
     lines.append(f"s = {last}")
-    return ScoreMod(tuple(lines), n_extra=len(extras))
+    text = "\n".join(lines)
+    used = tuple(src for name, src in ops.HELPERS.items() if re.search(rf"\b{name}\(", text))
+    return ScoreMod(tuple(lines), n_extra=len(extras), helpers=used)
 
