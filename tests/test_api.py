@@ -90,7 +90,7 @@ def test_mixed_devices_is_a_clear_error():
 def test_backend_failure_names_the_model(monkeypatch):
     import fuser.backend as backend
 
-    def broken(gm, graph_index=0):
+    def broken(gm, **kwargs):
         raise ValueError("synthetic failure")
 
     monkeypatch.setattr(backend, "compile_graph", broken)

@@ -73,7 +73,7 @@ def test_additive_finfo_min_mask(device):
     q, k, v = _qkv(device, m=23, n=23)
     pad = torch.ones(2, 23, device=device)
     pad[1, 15:] = 0
-    bias = (1.0 - pad[:, None, None, :]) * torch.finfo(torch.float32).min
+    bias = ((1.0 - pad[:, None, None, :]) * torch.finfo(q.dtype).min).to(q.dtype)  # as BERT builds it
 
     def attn(q, k, v):
         return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + bias, -1) @ v
