@@ -26,7 +26,8 @@ class FusedModule(torch.nn.Module):
         self._latest: list[FusionReport] = []
         self.graph_modules: list[torch.fx.GraphModule] = []  # the rewritten graphs, in capture order
         self._seen_devices: frozenset | None = None
-        compiled = torch.compile(model, backend=backend.make_backend(self._captured, options), dynamic=False)
+        target = model.fn if isinstance(model, _Function) else model  # a function compiles without module layers
+        compiled = torch.compile(target, backend=backend.make_backend(self._captured, options), dynamic=False)
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second copy of the weights
 
     def forward(self, *args, **kwargs):
