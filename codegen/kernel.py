@@ -386,7 +386,8 @@ class KernelWriter:
                 acc = f"acc{self.count}"
                 self.count += 1
                 tl_dt = ops.TL_DTYPE[torch.int32 if combine == "any" else dt]
-                self.emit(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {tl_dt})")
+                width = "1" if n in online or n in online.values() else "RBLOCK"  # online pairs: per row
+                self.emit(f"{acc} = tl.full([XBLOCK, {width}], {ident}, {tl_dt})")
                 accs.append((n, part, combine, acc, dt))
 
             acc_of = {n: acc for n, part, _, acc, _ in accs if part == "main"}
@@ -418,11 +419,9 @@ class KernelWriter:
                     self.reduced[(n, 1)] = self.new(f"{s} / {self.space.r}.0", dt)
                 elif combine == "var":
                     self._finish_var(n, self.new(f"tl.sum({acc}, 1)[:, None]", dt), self.reduced[(n, 1)], dt)
-                elif n in online.values():
-                    m_acc = acc_of[self.region.online_max(n)]
-                    m = self.reduced[(self.region.online_max(n), 0)]
-                    self.reduced[(n, 0)] = self.new(
-                        f"tl.sum(tl.where({m_acc} > -float(\"inf\"), {acc} * tl.exp({m_acc} - {m}), 0), 1)[:, None]", dt)
+                elif n in online.values():  # already scaled to the final max
+                    self.reduced[(n, 0)] = acc
+                    self.dtypes[acc] = dt
                 elif combine == "sum":
                     s = self.new(f"tl.sum({acc}, 1)[:, None]", dt)
                     mean = self.cg.info[n].mean
@@ -435,11 +434,13 @@ class KernelWriter:
                     self.reduced[(n, 0)] = self.new(f"tl.max({acc}, 1)[:, None] > 0", torch.bool)
 
     def _online_update(self, m_acc: str, s_acc: str, v: str):
-        """Running max and running sum of exp(v - max), rescaled as the max grows (one pass)."""
-        m_new = self.new(f"_maximum({m_acc}, tl.where(rmask, {v}, -float(\"inf\")))", torch.float32)
-        live = f"{m_new} > -float(\"inf\")"
+        """Per-row running max and running sum of exp(v - max), rescaled when a tile raises the max:
+        one pass, one exp per element."""
+        tile = self.new(f"tl.where(rmask, {v}, -float(\"inf\"))", torch.float32)
+        m_new = self.new(f"_maximum({m_acc}, {_minmax('max', tile)})", torch.float32)
+        live = f"({m_new} > -float(\"inf\"))"
         self.emit(f"{s_acc} = tl.where({live}, {s_acc} * tl.exp({m_acc} - {m_new}), 0) + "
-                  f"tl.where(rmask & ({live}), tl.exp({v} - {m_new}), 0)")
+                  f"tl.sum(tl.where(rmask & {live}, tl.exp({v} - {m_new}), 0), 1)[:, None]")
         self.emit(f"{m_acc} = {m_new}")
 
     # ------------------------------------------------------------------ stores
