@@ -145,3 +145,15 @@ def test_repeated_calls_and_misaligned_inputs(device):
         a = buf[offset:].view(37, 53)
         b = torch.randn(53, device=device)
         torch.testing.assert_close(fused(a, b), chain(a, b), **TOL)
+
+
+def test_options(device):
+    with pytest.raises(ValueError, match="unknown option.*'tile'.*known: \\['attention'\\]"):
+        fuser.fuse(chain, tile=3)
+
+    def attn(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1) @ v
+
+    q = k = v = torch.randn(1, 2, 9, 8, device=device)
+    kinds = [r.kind for r in fuser.fuse(attn, example_inputs=(q, k, v), attention=False).report.regions]
+    assert "attention" not in kinds and "reduction" in kinds
