@@ -21,6 +21,7 @@ from fuser.graph import meta, shape
 from fuser.region import PERSISTENT_MAX_R, Region
 
 from .blocks import BlockPlan, block_plan
+from .compile import interpreting
 
 X = sympy.Symbol("x", integer=True, nonnegative=True)
 R = sympy.Symbol("r", integer=True, nonnegative=True)
@@ -90,7 +91,12 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
     expr = kind.fmt(ops.Args(n, rendered, index))
     res_dt = ops.compute_dtype(out_dt)
     if kind.cast:
-        rounded = convert(expr, dtypes.get(rendered[0], op_dt), out_dt)
+        src_dt = meta(n.args[0]).dtype
+        held = dtypes.get(rendered[0], op_dt)
+        if src_dt != held and src_dt.is_floating_point and out_dt != src_dt:
+            # the value eager casts is already rounded to its own 16-bit dtype: round there first
+            expr, held = convert(convert(expr, held, src_dt), src_dt, held), held
+        rounded = convert(expr, held, out_dt)
         return (convert(rounded, out_dt, res_dt) if out_dt != res_dt else rounded), res_dt
     if kind.promote_inputs:
         return (expr, torch.bool) if out_dt == torch.bool else (convert(expr, op_dt, res_dt), res_dt)
@@ -102,6 +108,13 @@ def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
         return expr
     if dst == torch.bool:
         return f"({expr} != 0)"
+    if dst in (torch.float16, torch.bfloat16):
+        if not src.is_floating_point:  # ints reach 16-bit floats through fp32 (the interpreter would bit-cast)
+            expr, src = f"{expr}.to(tl.float32)", torch.float32
+        if dst == torch.bfloat16 and src == torch.float32 and interpreting():
+            return f"_rne_bf16({expr})"  # the interpreter truncates fp32 -> bf16 whatever it is asked
+        if src.itemsize > dst.itemsize:
+            return f'{expr}.to({ops.TL_DTYPE[dst]}, fp_downcast_rounding="rtne")'
     return f"{expr}.to({ops.TL_DTYPE[dst]})"
 
 
@@ -192,6 +205,9 @@ class KernelWriter:
         addr = sum((i * s for i, s, size in zip(idx, sig.stride, sig.shape) if size != 1), sympy.Integer(0))
         addr = ix.texpr(self.expand_aliases(ix.combine(addr, self.ranges)))
         mask = self.mask_for([addr], cond)
+        for var in ("x", "r"):  # a fixed address under a block mask: the pointer must be a block too
+            if re.search(rf"\b{var}\b", mask) and not re.search(rf"\b{var}\b", addr):
+                addr = f"{addr} + 0 * {var}"
         masked = "" if mask == "None" else f", mask={mask}, other=0"
         raw = f"tl.load({self.ptr[n]} + ({addr}){masked})"
         cdt = ops.compute_dtype(sig.dtype)
@@ -457,6 +473,12 @@ class KernelWriter:
 
     # ------------------------------------------------------------------ the kernel
     def generate(self) -> KernelSource:
+        if self.space.rows == 0:  # nothing to compute: the kernel is never launched
+            self.emit("pass")
+            return self._assemble()
+        return self._generate()
+
+    def _generate(self) -> KernelSource:
         wide = any(_max_offset(s) >= 2**31 for s in [*self.in_sig.values(), *self.out_sig.values()])
         pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
         full_outs = [o for o in self.region.outputs if shape(o) == self.space.full or not self.reduction]

@@ -231,12 +231,17 @@ class TritonPrinter(StrPrinter):
     """Prints index math as Triton/Python integer expressions."""
 
     def _print_FloorDiv(self, e):
-        return f"({self._print(e.args[0])} // {self._print(e.args[1])})"
+        return f"({self._operand(e.args[0])} // {self._print(e.args[1])})"
 
     def _print_ModularIndexing(self, e):
         a, p, m = e.args
-        inner = self._print(a) if p == 1 else f"({self._print(a)} // {self._print(p)})"
+        inner = self._operand(a) if p == 1 else f"({self._operand(a)} // {self._print(p)})"
         return f"({inner} % {self._print(m)})"
+
+    def _operand(self, a) -> str:
+        """A numerator in brackets unless atomic: `//` and `%` bind tighter than `+`."""
+        text = self._print(a)
+        return text if a.is_Atom or isinstance(a, (FloorDiv, ModularIndexing)) else f"({text})"
 
 
 def texpr(e) -> str:

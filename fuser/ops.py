@@ -101,6 +101,11 @@ class Args:
     def dtype(self) -> torch.dtype:
         return self.node.meta["val"].dtype
 
+    def round_to(self, expr: str, dtype: torch.dtype) -> str:
+        """An fp32 expression rounded to `dtype` and held in fp32 again (codegen knows how, per backend)."""
+        from fuser.codegen.kernel import convert
+        return convert(convert(expr, torch.float32, dtype), dtype, torch.float32)
+
 
 def _is_float(a: Args) -> bool:
     return a.dtype.is_floating_point
@@ -126,7 +131,12 @@ def _div_mode(a: Args) -> str:
     if mode is None:
         return f"({a[0]} / {a[1]})"
     if _is_float(a):
-        return f"_floordiv_float({a[0]}, {a[1]})" if mode == "floor" else f"_trunc({a[0]} / {a[1]})"
+        if mode == "floor":
+            return f"_floordiv_float({a[0]}, {a[1]})"
+        q = f"({a[0]} / {a[1]})"
+        if a.dtype in (torch.float16, torch.bfloat16):  # eager rounds the quotient to 16 bits, then truncates
+            q = a.round_to(q, a.dtype)
+        return f"_trunc({q})"
     return f"_floordiv_int({a[0]}, {a[1]})" if mode == "floor" else f"({a[0]} // {a[1]})"
 
 
@@ -315,6 +325,14 @@ def _remainder(a, b):
 @triton.jit
 def _fmod(a, b):
     return a % b
+""",
+    "_rne_bf16": """
+@triton.jit
+def _rne_bf16(x):
+    # fp32 -> bf16, rounding to nearest even by hand (Triton's interpreter truncates)
+    b = x.to(tl.uint32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    return (b & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
 """,
     "_floordiv_float": """
 @triton.jit

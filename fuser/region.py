@@ -175,6 +175,8 @@ def analyze(cg: ComputeGraph, nodes) -> Space | None:
         outs = [n for n in nodes if meta(n) is not None]
     if spaces:
         space = spaces.pop()
+        if space.r == 0:
+            return None  # a reduction over nothing: eager gives the identity (or the error)
         if any(n.target is not operator.getitem and meta(n) is None and not _is_reduction(cg, n) for n in nodes):
             return None
         for o in outs:
