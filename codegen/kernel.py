@@ -17,7 +17,7 @@ import torch
 
 from fuser import indexing as ix
 from fuser import ops
-from fuser.graph import meta, shape
+from fuser.graph import is_generator, meta, shape
 from fuser.region import PERSISTENT_MAX_R, Region
 
 from .blocks import BlockPlan, block_plan
@@ -80,7 +80,9 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
     op_dt = ops.compute_dtype(_promote(n.args, n) if kind.promote_inputs else out_dt)
     rendered = []
     for pos, a in enumerate(n.args):
-        if isinstance(a, torch.fx.Node) and meta(a) is not None:
+        if isinstance(a, torch.fx.Node) and is_generator(n):
+            rendered.append(None)  # full_like reads its operand's shape, which the kernel already has
+        elif isinstance(a, torch.fx.Node) and meta(a) is not None:
             v = operand(a)
             keep = kind.cast or (meta(a).dtype == torch.bool and pos in kind.bool_args)
             rendered.append(v if keep else convert(v, dtypes[v], op_dt))

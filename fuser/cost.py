@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from .graph import ComputeGraph, meta
+from .graph import ComputeGraph, is_generator, meta
 from .region import Region
 
 HBM_BYTES_PER_S = 3.0e12   # about what an H100/H200 copy moves; only ratios matter for decisions
@@ -60,6 +60,8 @@ def eager_cost(cg: ComputeGraph, n) -> tuple[sympy.Expr, int]:
     """Bytes and launches of one compute node run as its own eager kernel."""
     if n.target is operator.getitem:
         return sympy.Integer(0), 0
+    if is_generator(n):
+        return tensor_bytes(n), 1
     reads = sum((tensor_bytes(a, cg.read_elems(n, a)) for a in cg.data_inputs(n)), sympy.Integer(0))
     outs = meta(n)
     if outs is not None:

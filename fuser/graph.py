@@ -31,10 +31,13 @@ def is_tensor(n) -> bool:
     return meta(n) is not None
 
 
+def is_generator(n) -> bool:
+    """full, arange, ...: values from the index alone (full_like reads only its operand's shape)."""
+    return getattr(n.target, "overloadpacket", None) in GENERATORS
+
+
 def operands(n: fx.Node) -> list[fx.Node]:
-    """Node operands in order (cat's list flattened); generators read only shapes, so none."""
-    if getattr(n.target, "overloadpacket", None) in GENERATORS:
-        return []
+    """Node operands in order (cat's list flattened): what n must wait for, even where it reads no data."""
     out = []
     for a in (*n.args, *n.kwargs.values()):
         for x in (a if isinstance(a, (list, tuple)) else (a,)):
@@ -97,7 +100,7 @@ class ComputeGraph:
         k = self.info[n]
         if isinstance(k, ops.Layout) and n.target is not operator.getitem:
             return not k.copies
-        return isinstance(k, ops.Pointwise) and n.target.overloadpacket in GENERATORS
+        return isinstance(k, ops.Pointwise) and is_generator(n)
 
     def is_compute(self, n) -> bool:
         return n.op == "call_function" and not self.transparent(n)
