@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from fuser import ops
-from fuser.graph import ComputeGraph, meta, operands, shape
+from fuser.graph import ComputeGraph, is_generator, meta, operands, shape
 
 aten = torch.ops.aten
 _VIEW = {aten.view, aten._unsafe_view, aten.reshape}
@@ -126,6 +126,8 @@ def _chain(x, scores, cg: ComputeGraph):
         for a in operands(n):
             if dep(a):
                 stack.append(a)
+            elif is_generator(a) and not operands(a) and meta(a).numel() == 1:
+                chain.append(a)  # a constant (masked_fill's -inf): a literal in the kernel, not a load
             elif a not in extras:
                 extras.append(a)
     return sorted(chain, key=cg.order.__getitem__), extras
