@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine, from the repo root: the test suite on CUDA, then the
-# benchmark whatever the tests did. Logs and results go to $OUT (bench/results when unset).
+# benchmarks whatever the tests did. Logs and results go to $OUT (bench/results when unset).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="${PYTHON:-python3}"          # on the GPU image, plain python3 is the one with torch
 OUT="${OUT:-bench/results}"
-TESTS_TIMEOUT="${TESTS_TIMEOUT:-180}" # leave the benchmark its ~6 minutes of the call
+TESTS_TIMEOUT="${TESTS_TIMEOUT:-240}" # leave the benchmarks their minutes of the call
 mkdir -p "$OUT"
 # register the `fuser` torch.compile backend (entry point); no network there, so no deps, no isolation
 "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 
 FUSER_TEST_DEVICE=cuda timeout -s INT -k 15 "$TESTS_TIMEOUT" \
-    "$PYTHON" -m pytest tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
+    "$PYTHON" -m pytest tests -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | grep -E "^FAILED|passed|failed"
 tests_rc=$?
 
-"$PYTHON" bench/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+"$PYTHON" bench/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -15
 bench_rc=$?
+"$PYTHON" bench/attention_bench.py --out "$OUT" 2>&1 | tee "$OUT/attention.log" | tail -10
+attention_rc=$?
 
-echo "tests exit status: $tests_rc (124: stopped at ${TESTS_TIMEOUT} s); bench exit status: $bench_rc"
+echo "tests exit status: $tests_rc (124: stopped at ${TESTS_TIMEOUT} s); bench: $bench_rc; attention bench: $attention_rc"
 exit $(( tests_rc != 0 ? tests_rc : bench_rc ))
