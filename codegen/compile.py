@@ -64,6 +64,9 @@ def load(source: str, name: str):
         return _loaded[sha]
 
 
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+
+
 class Launcher:
     """Launches one kernel on its grid.  On CUDA, after Triton's JIT has compiled it, later launches
     call the compiled kernel directly, skipping the JIT's per-call argument binding (about 15 us of
@@ -77,11 +80,12 @@ class Launcher:
         self.aligned = None
 
     def __call__(self, *args):
-        if self.compiled is not None and knobs.runtime.launch_enter_hook is None:
-            if tuple(a.data_ptr() % 16 == 0 for a in args) == self.aligned:
-                stream = torch._C._cuda_getCurrentRawStream(args[-1].device.index)
-                self.compiled.run(self.grid, 1, 1, stream, self.compiled.function, self.compiled.packed_metadata,
-                                  None, None, None, *args, *self.constexprs)
+        compiled = self.compiled
+        if compiled is not None and knobs.runtime.launch_enter_hook is None:
+            if tuple([a.data_ptr() % 16 == 0 for a in args]) == self.aligned:
+                stream = _raw_stream(args[-1].get_device())
+                compiled.run(self.grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
+                             None, None, None, *args, *self.constexprs)
                 return
         compiled = self.fn[(self.grid,)](*args, **self.meta)
         if self.compiled is None and args[-1].is_cuda and hasattr(compiled, "packed_metadata"):

@@ -25,7 +25,8 @@ class RegionKernel(torch.nn.Module):
         self.device = meta(region.outputs[0]).device  # where a region with no tensor inputs runs
         self.device_type = self.device.type
         self.variants: dict[tuple, tuple[KernelSource, object]] = {}
-        self.source = self._variant(self.in_sigs)[0].source  # emitting it now also proves it can be
+        self._captured = self._variant(self.in_sigs)  # emitting it now also proves it can be
+        self.source = self._captured[0].source
         space = region.space
         self.empty = space.rows == 0 or (space.is_reduction and space.r == 0)
 
@@ -62,7 +63,7 @@ class RegionKernel(torch.nn.Module):
         if any(t.device != device for t in inputs):
             inputs = [t.to(device) for t in inputs]  # 0-d CPU scalars
         sigs = self._check(inputs)
-        src, meta_args = self.variants[sigs] if sigs is self.in_sigs else self._variant(sigs)
+        src, meta_args = self._captured if sigs is self.in_sigs else self._variant(sigs)
         outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device) for s in self.out_sigs]
         if not self.empty:
             if src.launcher is None:
