@@ -17,7 +17,9 @@ from .attention import ScoreMod
 from .kernel import lower_pointwise
 
 
-def score_mod(scores, chain: list, extras: list, cg) -> ScoreMod:
+def score_mod(scores, chain: list, extras: list, cg, causal_offset: int | None = None) -> ScoreMod:
+    """The lines; with `causal_offset` (the chain masks every key past q + offset) the kernel also
+    applies that mask itself and skips the tiles it empties."""
     names = {scores: "s"}
     dtypes = {"s": torch.float32}
     for i, e in enumerate(extras):
@@ -35,5 +37,6 @@ def score_mod(scores, chain: list, extras: list, cg) -> ScoreMod:
     lines.append(f"s = {last}")
     text = "\n".join(lines)
     used = tuple(src for name, src in ops.HELPERS.items() if re.search(rf"\b{name}\(", text))
-    return ScoreMod(tuple(lines), n_extra=len(extras), helpers=used)
+    return ScoreMod(tuple(lines), n_extra=len(extras), helpers=used, causal=causal_offset is not None,
+                    causal_offset=causal_offset or 0)
 

@@ -12,6 +12,7 @@ from fuser.codegen.attention import attention_source, flash_attention
 from fuser.codegen.compile import Launcher, check_mode, load
 from fuser.codegen.kernel import KernelSource, TensorSig, generate
 from fuser.codegen.score_mod import score_mod
+from fuser.patterns.attention import causal_offset
 from .graph import meta, shape
 from .region import Region
 
@@ -86,7 +87,7 @@ class AttentionKernel(torch.nn.Module):
     def __init__(self, att, cg, name: str):
         super().__init__()
         self.att, self.name = att, name
-        self.mod = score_mod(att.scores, att.chain, att.extras, cg)
+        self.mod = score_mod(att.scores, att.chain, att.extras, cg, causal_offset(att, cg))
         self.in_shapes = tuple(shape(n) for n in att.inputs)
         self.out_dtype = meta(att.out).dtype
         self.source = attention_source(self.mod, shape(att.q)[-1], meta(att.q).dtype)

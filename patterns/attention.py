@@ -225,3 +225,71 @@ def find(graph: fx.Graph, cg: ComputeGraph | None = None) -> list[Attention]:
                 a.id = len(found)
                 found.append(a)
     return found
+
+
+def causal_offset(att: Attention, cg: ComputeGraph) -> int | None:
+    """The offset o when the score chain masks every key k > q + o whatever the scores (a causal mask
+    built from constants: tril/triu of ones, arange comparisons), else None.
+
+    The masks are evaluated once, here, from the constants they are built of (a mask that reads a
+    graph input, such as a padding mask, is data and is not folded).  Knowing the structure lets the
+    kernel skip the tiles above the diagonal instead of loading and applying the mask there.
+    """
+    if not att.chain:
+        return None
+    m, n = shape(att.scores)[2:]
+    values = {}
+    try:
+        with torch.no_grad(), _real_tensors():
+            for e in att.extras:
+                if _fold(e, values) is None:
+                    return None
+            values[att.scores] = torch.zeros((1, 1, m, n), device=meta(att.scores).device)
+            for node in att.chain:
+                values[node] = _run(node, values)
+            out = values[att.chain[-1]].float().reshape(-1, m, n)
+            # -inf, or a finfo.min-style bias (fp16's finfo.min is -65504): exp() of it is 0 next to any
+            # unmasked score, unless the whole row is masked; then eager averages over every key
+            # (finite bias) and skipping tiles would change that
+            masked_all = out <= _MASKED
+            if bool((masked_all & torch.isfinite(out)).any()) and not bool((~masked_all).any(-1).all()):
+                return None
+            masked = masked_all.all(0)
+            q = torch.arange(m, device=masked.device)[:, None]
+            k = torch.arange(n, device=masked.device)[None, :]
+            for off in sorted({0, n - m}):
+                upper = k > q + off
+                if bool(upper.any()) and bool(masked[upper].all()):
+                    return off
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return None
+
+
+_MASKED = torch.finfo(torch.float16).min / 2
+
+
+def _real_tensors():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()
+
+
+def _run(node, values):
+    def arg(a):
+        return values[a] if isinstance(a, fx.Node) else a
+    args = torch.utils._pytree.tree_map(arg, node.args)
+    kwargs = torch.utils._pytree.tree_map(arg, node.kwargs)
+    return node.target(*args, **kwargs)
+
+
+def _fold(n, values, depth=0):
+    """n's value when it is computed from constants alone (small graphs of them), else None."""
+    if n in values:
+        return values[n]
+    if n.op != "call_function" or depth > 64:
+        return None
+    for a in n.all_input_nodes:
+        if _fold(a, values, depth + 1) is None:
+            return None
+    values[n] = _run(n, values)
+    return values[n]

@@ -34,20 +34,25 @@ def _qkv(device, b=2, h=3, m=37, n=37, d=16, hkv=None):
             torch.randn(b, hkv or h, n, d, device=device, dtype=dt))
 
 
-def test_causal_masked_fill(device):
-    """The research-code form Inductor misses: a tril mask through masked_fill."""
+@pytest.mark.parametrize("where", ["in_graph", "closure"])
+def test_causal_masked_fill(where, device):
+    """The research-code form Inductor misses: a triangular mask through masked_fill.  Built in the
+    graph from constants, the mask is folded at compile time and known causal (tiles above the
+    diagonal are skipped); a tensor from outside is data, loaded per tile."""
     torch.manual_seed(0)
     q, k, v = _qkv(device)
-    tril = torch.tril(torch.ones(37, 37, device=device, dtype=torch.bool))
+    outside = torch.ones(37, 37, device=device, dtype=torch.bool).triu(1)
 
     def attn(q, k, v):
         s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-        s = s.masked_fill(~tril, float("-inf"))
+        mask = torch.ones(37, 37, device=q.device, dtype=torch.bool).triu(1) if where == "in_graph" else outside
+        s = s.masked_fill(mask, float("-inf"))
         return torch.softmax(s, dim=-1) @ v
 
     fused = _check(attn, q, k, v)
     r = [r for r in fused.report.regions if r.kind == "attention"][0]
     assert r.k > 2 and "attention_fwd" in r.source
+    assert ("causal (offset 0)" in r.source) == (where == "in_graph")
 
 
 def test_softcap_alibi_and_padding_with_fully_masked_rows(device):
@@ -134,6 +139,8 @@ def test_hf_eager_attention_is_recognised(name, device):
     fused = fuser.fuse(model)
     with torch.no_grad():
         out, ref = fused(ids, **kw), model(ids, **kw)
+    sources = [r.source for r in fused.report.regions if r.kind == "attention"]
+    assert all(("causal (offset" in s) == (name != "bert") for s in sources)  # BERT's mask is padding only
     key = "last_hidden_state" if name == "bert" else "logits"
     tol = dict(atol=1e-3, rtol=1e-3) if device == "cpu" else dict(atol=8e-2, rtol=8e-2)
     torch.testing.assert_close(out[key], ref[key], **tol)
