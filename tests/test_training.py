@@ -56,3 +56,10 @@ def test_adamw_follows_eager(device):
             losses[key].append(loss.item())
     torch.testing.assert_close(torch.tensor(losses["fused"]), torch.tensor(losses["eager"]), atol=1e-3, rtol=1e-3)
     assert losses["fused"][-1] < losses["fused"][0]
+
+
+def test_train_example(capsys):
+    import runpy
+    from pathlib import Path
+    runpy.run_path(str(Path(__file__).parent.parent / "examples" / "train.py"), run_name="__main__")
+    assert "backward" in capsys.readouterr().out
