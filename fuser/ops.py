@@ -189,6 +189,10 @@ def _gelu(a: Args) -> str:
     return f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"
 
 
+def _compare(sym: str) -> Pointwise:
+    return Pointwise(lambda a: f"({a[0]} {sym} {a[1]})", promote_inputs=True)
+
+
 def _bool(x: str) -> str:
     return f"({x} != 0)"
 
@@ -233,12 +237,8 @@ POINTWISE = {
     aten.remainder: P(lambda a: f"_remainder({a[0]}, {a[1]})"),
     aten.fmod: P(lambda a: f"_fmod({a[0]}, {a[1]})"),
     aten.floor_divide: P(lambda a: f"_floordiv_float({a[0]}, {a[1]})" if _is_float(a) else f"_floordiv_int({a[0]}, {a[1]})"),
-    aten.eq: P(lambda a: f"({a[0]} == {a[1]})", promote_inputs=True),
-    aten.ne: P(lambda a: f"({a[0]} != {a[1]})", promote_inputs=True),
-    aten.lt: P(lambda a: f"({a[0]} < {a[1]})", promote_inputs=True),
-    aten.le: P(lambda a: f"({a[0]} <= {a[1]})", promote_inputs=True),
-    aten.gt: P(lambda a: f"({a[0]} > {a[1]})", promote_inputs=True),
-    aten.ge: P(lambda a: f"({a[0]} >= {a[1]})", promote_inputs=True),
+    **{op: _compare(sym) for op, sym in ((aten.eq, "=="), (aten.ne, "!="), (aten.lt, "<"), (aten.le, "<="),
+                                          (aten.gt, ">"), (aten.ge, ">="))},
     aten.isnan: P(lambda a: f"({a[0]} != {a[0]})", promote_inputs=True),
     aten.isinf: P(lambda a: f"(tl.abs({a[0]}) == float(\"inf\"))", promote_inputs=True),
     aten.logical_not: P(lambda a: f"({a[0]} == 0)", promote_inputs=True),
