@@ -48,7 +48,7 @@ class KernelSource:
     source: str
     plan: BlockPlan
     grid: int
-    launcher: object = None  # the jitted kernel bound to its grid, once loaded
+    launcher: object = None  # a compile.Launcher, made at the first launch
 
 
 def _minmax(combine: str, v: str) -> str:
@@ -57,7 +57,7 @@ def _minmax(combine: str, v: str) -> str:
     return f"tl.where(tl.max(({v} != {v}).to(tl.int32), 1)[:, None] > 0, float(\"nan\"), {fn}({v}, 1)[:, None])"
 
 
-def _promote(args, node) -> torch.dtype:
+def _promote(args) -> torch.dtype:
     """The dtype comparisons and logical ops compute in (torch's promotion, scalars included)."""
     tensors = [meta(a).dtype for a in args if isinstance(a, torch.fx.Node) and meta(a) is not None]
     dt = tensors[0] if tensors else torch.float32
@@ -77,7 +77,7 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
     `operand(a)` names the variable holding tensor operand a (dtypes maps variables to theirs); the
     operands are converted to the op's compute dtype, and a cast rounds to its target dtype."""
     out_dt = meta(n).dtype
-    op_dt = ops.compute_dtype(_promote(n.args, n) if kind.promote_inputs else out_dt)
+    op_dt = ops.compute_dtype(_promote(n.args) if kind.promote_inputs else out_dt)
     rendered = []
     for pos, a in enumerate(n.args):
         if isinstance(a, torch.fx.Node) and is_generator(n):
@@ -97,7 +97,7 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
         held = dtypes.get(rendered[0], op_dt)
         if src_dt != held and src_dt.is_floating_point and out_dt != src_dt:
             # the value eager casts is already rounded to its own 16-bit dtype: round there first
-            expr, held = convert(convert(expr, held, src_dt), src_dt, held), held
+            expr = convert(convert(expr, held, src_dt), src_dt, held)
         rounded = convert(expr, held, out_dt)
         return (convert(rounded, out_dt, res_dt) if out_dt != res_dt else rounded), res_dt
     if kind.promote_inputs:
@@ -244,24 +244,16 @@ class KernelWriter:
         if len(branches) == 1 and branches[0][2] is None and other is None:  # a pure index map
             v = self.value(branches[0][0], branches[0][1], cond)
             return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
-        result = None if other is None else ops.literal(other)
-        for k, (src, src_idx, bounds) in enumerate(reversed(branches)):
-            first = k == len(branches) - 1
-            if bounds is None:
-                here = None
-            else:
-                bounds = bounds if isinstance(bounds[0], tuple) else (bounds,)
-                here = " & ".join(f"(({self.print_index(idx[d])}) >= {lo}) & (({self.print_index(idx[d])}) < {hi})"
-                                  for lo, hi, d in bounds)
+        result = None if other is None else ops.literal(other)  # cat: the last branch is the fallback
+        for src, src_idx, bounds in reversed(branches):
+            if bounds is not None and not isinstance(bounds[0], tuple):
+                bounds = (bounds,)
+            here = None if bounds is None else " & ".join(
+                f"(({self.print_index(idx[d])}) >= {lo}) & (({self.print_index(idx[d])}) < {hi})" for lo, hi, d in bounds)
             sub_cond = cond if here is None else (f"({cond}) & {here}" if cond else here)
             v = self.value(src, self._alias_bounded(src_idx, bounds), sub_cond)
             v = convert(v, self.dtypes[v], cdt)
-            if result is None or (first and other is None and here is None):
-                result = v
-            elif here is None:
-                result = v
-            else:
-                result = f"tl.where({here}, {v}, {result})"
+            result = v if here is None or result is None else f"tl.where({here}, {v}, {result})"
         return self.new(result, cdt)
 
     def _alias_bounded(self, idx, bounds) -> tuple:
