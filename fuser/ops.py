@@ -152,16 +152,9 @@ def _pow_scalar(a: Args) -> str:
 
 
 def _clamp(a: Args) -> str:
-    lo, hi = (a.node.args + (None, None))[1:3]
-    lo, hi = a.kw("min", lo), a.kw("max", hi)
-    out = a[0]
-    if lo is not None:
-        lo = a[1] if isinstance(lo, torch.fx.Node) else literal(lo)
-        out = f"tl.where({out} < {lo}, {lo}, {out})"
-    if hi is not None:
-        hi = a[2] if isinstance(hi, torch.fx.Node) else literal(hi)
-        out = f"tl.where({out} > {hi}, {hi}, {out})"
-    return out
+    lo = a[1] if len(a) > 1 else a.kw("min")
+    hi = a[2] if len(a) > 2 else a.kw("max")
+    return _clamp_literal(a[0], lo, hi)
 
 
 def _round(a: Args) -> str:
@@ -224,8 +217,8 @@ POINTWISE = {
     aten.pow: P(lambda a: _pow_scalar(a) if a.node.target == aten.pow.Tensor_Scalar
                 else f"_pow({a[0]}, {a[1]})"),
     aten.maximum: P(lambda a: f"_maximum({a[0]}, {a[1]})"), aten.minimum: P(lambda a: f"_minimum({a[0]}, {a[1]})"),
-    aten.clamp: P(_clamp), aten.clamp_min: P(lambda a: _clamp_literal(a[0], a[1] if isinstance(a.node.args[1], torch.fx.Node) else a.node.args[1], None)),
-    aten.clamp_max: P(lambda a: _clamp_literal(a[0], None, a[1] if isinstance(a.node.args[1], torch.fx.Node) else a.node.args[1])),
+    aten.clamp: P(_clamp), aten.clamp_min: P(lambda a: _clamp_literal(a[0], a[1], None)),
+    aten.clamp_max: P(lambda a: _clamp_literal(a[0], None, a[1])),
     aten.where: P(lambda a: f"tl.where({a[0]}, {a[1]}, {a[2]})", bool_args=(0,)),
     aten.masked_fill: P(lambda a: f"tl.where({a[1]}, {a[2]}, {a[0]})", bool_args=(1,)),
     aten.sign: P(lambda a: f"tl.where({a[0]} > 0, 1, tl.where({a[0]} < 0, -1, {a[0]} * 0))"),
@@ -255,6 +248,7 @@ POINTWISE = {
 
 
 def _clamp_literal(x: str, lo, hi) -> str:
+    """x clamped to [lo, hi] (Triton source or Python numbers; None: no bound).  NaN stays NaN."""
     if lo is not None:
         lo = lo if isinstance(lo, str) else literal(lo)
         x = f"tl.where({x} < {lo}, {lo}, {x})"
