@@ -510,7 +510,7 @@ class KernelWriter:
 
     def _header(self) -> str:
         from fuser.cost import region_cost, tensor_bytes
-        cost = region_cost(self.region, self.plan.programs)
+        cost = region_cost(self.region)
         passes = self.region.passes()
         lines = [f"# region {self.region.id}: {self.region.kind}, {len(self.region.nodes)} ops: "
                  + ", ".join(dict.fromkeys(ops.op_name(n).replace("aten.", "") for n in self.region.nodes))]

@@ -15,6 +15,7 @@ import torch
 
 from .graph import ComputeGraph, is_generator, meta
 from .region import Region
+from fuser.codegen.blocks import block_plan  # one place picks block sizes
 
 HBM_BYTES_PER_S = 3.0e12   # about what an H100/H200 copy moves; only ratios matter for decisions
 LAUNCH_S = 4e-6            # one eager kernel launch (and its gap) on a GPU
@@ -71,7 +72,8 @@ def eager_cost(cg: ComputeGraph, n) -> tuple[sympy.Expr, int]:
     return reads + writes, 1
 
 
-def region_cost(region: Region, programs: int) -> Cost:
+def region_cost(region: Region) -> Cost:
+    """The region's bytes and launches; occupancy from the programs its GPU kernel launches."""
     cg = region.cg
     unfused, launches = sympy.Integer(0), 0
     for n in region.nodes:
@@ -84,10 +86,4 @@ def region_cost(region: Region, programs: int) -> Cost:
         fused += tensor_bytes(a, elems) * passes[a]
     for o in region.outputs:
         fused += tensor_bytes(o)
-    return Cost(unfused, fused, launches, programs)
-
-
-def programs(region: Region) -> int:
-    """Programs the kernel launches, as the codegen's block choice will make them (for occupancy)."""
-    from fuser.codegen.blocks import block_plan  # one place picks block sizes
-    return block_plan(region, "cuda").programs
+    return Cost(unfused, fused, launches, block_plan(region, "cuda").programs)

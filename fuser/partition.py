@@ -50,8 +50,7 @@ class Partitioner:
 
     @staticmethod
     def cost(region: Region) -> Cost:
-        from fuser.codegen.blocks import block_plan
-        return region_cost(region, block_plan(region, "cuda").programs)
+        return region_cost(region)
 
     def creates_cycle(self, a: set, b: set) -> bool:
         """Would a path leave the merged group and come back into it?"""

@@ -11,6 +11,8 @@ import operator
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from fuser.patterns.softmax import online_max
+
 from . import ops
 from .graph import ComputeGraph, meta, shape
 
@@ -117,8 +119,6 @@ class Region:
 
     def online_max(self, n):
         """The amax in this region that `n` = sum(exp(A - amax(A))) can share a pass with, if any."""
-        from fuser.patterns.softmax import online_max
-
         m = online_max(n) if _is_reduction(self.cg, n) else None
         return m if m in self.members else None
 
