@@ -40,7 +40,15 @@ def chain4(a, b):
     return F.gelu(a + b) * 0.5 + a
 
 
+def cross_entropy(logits, target):
+    return F.cross_entropy(logits.float(), target)
+
+
 def plans(reduction: bool, r: int):
+    if reduction and r > 16384:  # looped rows: (rows per program, tile, warps)
+        for xb, rb, w in ((1, 2048, 8), (1, 4096, 8), (1, 4096, 16), (1, 8192, 16), (2, 2048, 8), (2, 4096, 16)):
+            yield BlockPlan(xb, rb, w, 0, False)
+        return
     if reduction:
         rb = triton.next_power_of_2(r)
         for xb, w in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)):
@@ -63,11 +71,11 @@ def sweep(name, fn, inputs, copy_bw):
         fused = fuser.fuse(fn)
         fused(*inputs)
         ms = do_bench(lambda: fused(*inputs), warmup=25, rep=100, return_mode="median")
-        (region_kernel,) = _kernels(fused)
+        region_kernel = max(_kernels(fused), key=lambda k: k.region.space.rows * max(k.region.space.r, 1))
         src, meta = next(iter(region_kernel.variants.values()))
         launch = load(src.source, src.name)
         outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="cuda") for s in region_kernel.out_sigs]
-        ins = _region_inputs(region_kernel, inputs)
+        ins = _region_inputs(region_kernel, inputs) if fn is not cross_entropy else list(inputs)
         bare = do_bench(lambda: launch[(src.grid,)](*ins, *outs, **meta),
                         warmup=25, rep=100, return_mode="median")
         print(f"{name:10s} XBLOCK={plan.xblock:5d} RBLOCK={plan.rblock:5d} warps={plan.num_warps:2d}  "
@@ -77,7 +85,7 @@ def sweep(name, fn, inputs, copy_bw):
 
 
 def _shape_of(fn, inputs):
-    return fn in (rmsnorm, layernorm), inputs[0].shape[-1]
+    return fn in (rmsnorm, layernorm, cross_entropy), inputs[0].shape[-1]
 
 
 def _kernels(fused):
@@ -123,6 +131,15 @@ def host_overhead():
 def main():
     if "--overhead" in sys.argv:
         return host_overhead()
+    if "--cross-entropy" in sys.argv:
+        dev = "cuda"
+        src = torch.randn(2**30, device=dev, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        bw = 4 * src.numel() / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
+        src = dst = None
+        logits = torch.randn(8192, 128256, device=dev, dtype=torch.bfloat16)
+        target = torch.randint(0, 128256, (8192,), device=dev)
+        return sweep("xent", cross_entropy, (logits, target), bw)
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
     csrc = torch.randn(2**30, device=dev, dtype=bf)

@@ -35,5 +35,5 @@ def block_plan(region: Region, device_type: str) -> BlockPlan:
         xblock = min(triton.next_power_of_2(rows), max(1, budget // rblock))
         warps = min(16, max(1, xblock * rblock // 512))
         return BlockPlan(xblock, rblock, warps, triton.cdiv(rows, xblock), True)
-    rblock = 8192 if cpu else 2048
+    rblock = 8192 if cpu else 4096  # H200 sweep (bench/notes.md): 4096 x 8 warps beat 2048 and 8192
     return BlockPlan(1, rblock, 8, rows, False)
