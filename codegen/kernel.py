@@ -401,11 +401,6 @@ class KernelWriter:
                 accs.append((n, part, combine, acc, dt))
 
             acc_of = {n: acc for n, part, _, acc, _ in accs if part == "main"}
-            nan_of = {}  # online max -> per-lane "saw a NaN" (one reduction at the end, not per tile)
-            for n in online:
-                nan_of[n] = f"acc{self.count}"
-                self.count += 1
-                self.emit(f"{nan_of[n]} = tl.zeros([XBLOCK, RBLOCK], tl.int32)")
 
             def body():
                 for n, part, combine, acc, dt in accs:
@@ -413,7 +408,7 @@ class KernelWriter:
                         continue  # updated with its max below
                     v = self._reduction_input(n)
                     if n in online:
-                        self._online_update(acc, acc_of[online[n]], nan_of[n], convert(v, self.dtypes[v], dt))
+                        self._online_update(acc, acc_of[online[n]], convert(v, self.dtypes[v], dt))
                         continue
                     v = convert(v, self.dtypes[v], dt if combine != "any" else self.dtypes[v])
                     if part == "main" and combine == "var":
@@ -437,9 +432,6 @@ class KernelWriter:
                 elif n in online.values():  # already scaled to the final max
                     self.reduced[(n, 0)] = acc
                     self.dtypes[acc] = dt
-                elif n in online:  # NaN anywhere in the row makes the max NaN, as torch.amax does
-                    self.reduced[(n, 0)] = self.new(
-                        f'tl.where(tl.max({nan_of[n]}, 1)[:, None] > 0, float("nan"), {acc})', dt)
                 elif combine == "sum":
                     s = self.new(f"tl.sum({acc}, 1)[:, None]", dt)
                     mean = self.cg.info[n].mean
@@ -451,12 +443,11 @@ class KernelWriter:
                 elif combine == "any":
                     self.reduced[(n, 0)] = self.new(f"tl.max({acc}, 1)[:, None] > 0", torch.bool)
 
-    def _online_update(self, m_acc: str, s_acc: str, nan_acc: str, v: str):
+    def _online_update(self, m_acc: str, s_acc: str, v: str):
         """Per-row running max and running sum of exp(v - max), rescaled when a tile raises the max:
-        one pass, one exp per element, two row reductions per tile."""
+        one pass, one exp per element."""
         tile = self.new(f"tl.where(rmask, {v}, -float(\"inf\"))", torch.float32)
-        self.emit(f"{nan_acc} = tl.maximum({nan_acc}, ({tile} != {tile}).to(tl.int32))")
-        m_new = self.new(f"tl.maximum({m_acc}, tl.max({tile}, 1)[:, None])", torch.float32)
+        m_new = self.new(f"_maximum({m_acc}, {_minmax('max', tile)})", torch.float32)
         live = f"({m_new} > -float(\"inf\"))"
         self.emit(f"{s_acc} = tl.where({live}, {s_acc} * tl.exp({m_acc} - {m_new}), 0) + "
                   f"tl.sum(tl.where(rmask & {live}, tl.exp({v} - {m_new}), 0), 1)[:, None]")
