@@ -8,6 +8,7 @@ backward graph to the same pipeline.  `compile_graph` is the pipeline on one ATe
 from __future__ import annotations
 
 import logging
+import operator
 
 import sympy
 import torch
@@ -77,7 +78,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = Tr
         log.debug("region %s (%s, k=%.2f):\n%s", kernel.name, region.kind, cost.k, kernel.source)
     fused = {n for u in units for n in u.nodes}
     for n, reason in part.unfused([u for u in units if u not in attentions]) + dropped:
-        if n not in fused and n.target is not _getitem:
+        if n not in fused and n.target is not operator.getitem:
             report.unfused.append(Unfused(ops.op_name(n), n.name, reason, graph_index))
     devices = {n.meta["val"].device.type for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
     if "cpu" in devices and units:
@@ -99,5 +100,3 @@ def _attention_report(a, cg, kernel, graph_index, rid) -> RegionReport:
         bytes_fused_expr=str(fused), launches_unfused=sum(eager_cost(cg, n)[1] for n in a.nodes if cg.is_compute(n)),
         kernel=kernel.name, source=kernel.source)
 
-
-_getitem = __import__("operator").getitem

@@ -7,13 +7,14 @@ The support predicate is pluggable (`supported`), as in torch.fx's CapabilityBas
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import networkx as nx
 import torch.fx as fx
 
 from . import ops
-from .cost import Cost, eager_cost, region_cost
+from .cost import HBM_BYTES_PER_S, LAUNCH_S, Cost, eager_cost, evaluate, region_cost
 from .graph import ComputeGraph
 from .region import Region, analyze
 
@@ -39,7 +40,8 @@ class Partitioner:
 
     # ------------------------------------------------------------------ verbs
     def time(self, nodes) -> float:
-        if len(nodes) == 1 or all(n.target is _getitem for n in list(nodes)[1:]):
+        """Modelled seconds: eager for a lone op (and its getitems), else the fused kernel's."""
+        if sum(n.target is not operator.getitem for n in nodes) <= 1:
             return sum(eager_time(self.cg, n) for n in nodes)
         region = self.region(nodes)
         return float("inf") if region is None else self.cost(region).time_fused()
@@ -88,14 +90,14 @@ class Partitioner:
             gid = len(self.group)
             self.group[n] = gid
             self.members[gid] = {n}
-            for p in self.cg.data_inputs(n) if n.target is not _getitem else [n.args[0]]:
+            for p in self.cg.data_inputs(n) if n.target is not operator.getitem else [n.args[0]]:
                 if p in self.group and self.group[p] != self.group[n]:
                     merged = self.try_merge(self.group[p], self.group[n])
-                    if not merged and n.target is _getitem:
+                    if not merged and n.target is operator.getitem:
                         self.reasons[n] = "a component of an op that stays eager"
         regions = []
         for gid, nodes in self.members.items():
-            compute = [n for n in nodes if n.target is not _getitem]
+            compute = [n for n in nodes if n.target is not operator.getitem]
             if len(compute) < 2:
                 for n in compute:
                     self.reasons.setdefault(n, "alone: no producer or consumer it pays to fuse with (k = 1)")
@@ -115,7 +117,7 @@ class Partitioner:
         inside = {n for r in regions for n in r.nodes}
         out = []
         for n in self.cg.nodes:
-            if not self.cg.is_compute(n) or n in inside or n.target is _getitem:
+            if not self.cg.is_compute(n) or n in inside or n.target is operator.getitem:
                 continue
             kind = self.cg.info[n]
             reason = kind.reason if isinstance(kind, ops.Opaque) else self.reasons.get(
@@ -124,15 +126,11 @@ class Partitioner:
         return out
 
 
-_getitem = __import__("operator").getitem
-
-
 def _forced(a: set, b: set) -> bool:
     """A multi-output op and its getitems always travel together."""
-    return any(n.target is _getitem for n in b) and len(b) == 1
+    return any(n.target is operator.getitem for n in b) and len(b) == 1
 
 
 def eager_time(cg: ComputeGraph, n) -> float:
-    from .cost import HBM_BYTES_PER_S, LAUNCH_S, evaluate
     b, launches = eager_cost(cg, n)
     return evaluate(b) / HBM_BYTES_PER_S + launches * LAUNCH_S
