@@ -49,9 +49,6 @@ class Cost:
         fused = evaluate(self.bytes_fused)
         return float(evaluate(self.bytes_unfused)) / fused if fused else 1.0
 
-    def time_unfused(self) -> float:
-        return evaluate(self.bytes_unfused) / HBM_BYTES_PER_S + self.launches_unfused * LAUNCH_S
-
     def time_fused(self) -> float:
         occupancy = min(1.0, self.programs / NUM_SMS)
         return evaluate(self.bytes_fused) / (HBM_BYTES_PER_S * occupancy) + LAUNCH_S

@@ -192,8 +192,3 @@ def analyze(cg: ComputeGraph, nodes) -> Space | None:
     if len(shapes) != 1:
         return None
     return Space(shapes.pop())
-
-
-def make_region(cg: ComputeGraph, nodes, rid: int = 0) -> Region | None:
-    space = analyze(cg, nodes)
-    return None if space is None else Region(cg, list(nodes), space, rid)
