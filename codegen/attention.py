@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .compile import check_mode, load
+from .compile import interpreting, load, math_import, run_interpreted, target
 
 __all__ = ["ScoreMod", "attention_source", "flash_attention"]
 
@@ -63,6 +63,10 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype) -> str:
     if mod.window is not None and mod.window < 1:
         raise ValueError("attention: window must be >= 1")
     block_d = max(16, triton.next_power_of_2(head_dim))
+    # Triton's interpreter computes bf16 dots wrongly (values ~1e8): there, tiles are upcast to fp32
+    # before each dot (exact products, fp32 accumulation as on the GPU).
+    upcast = ".to(tl.float32)" if interpreting() and dtype == torch.bfloat16 else ""
+    p_dtype = "tl.float32" if upcast else _TL_DTYPE[dtype]
     esize = torch.empty((), dtype=dtype).element_size()
     has_mod = bool(mod.lines)
     qpos = f"q_idx + {mod.causal_offset}" if mod.causal_offset else "q_idx"
@@ -123,7 +127,7 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype) -> str:
 #   (4 + 2*{n_ops}) * B*Hq*M*N*e bytes that this kernel never moves.
 import triton
 import triton.language as tl
-
+{math_import("".join(mod.helpers) + "".join(mod.lines))}
 HEAD_DIM = tl.constexpr({head_dim})
 BLOCK_D = tl.constexpr({block_d})
 LOG2E = tl.constexpr({_LOG2E!r})
@@ -158,7 +162,7 @@ def attention_fwd(
     d_ok = offs_d < HEAD_DIM
     q_idx = offs_m[:, None]
     q_ok = q_idx < M
-    q = tl.load(q_base + q_idx * stride_qm + offs_d[None, :] * stride_qd, mask=q_ok & d_ok[None, :], other=0.0)
+    q = tl.load(q_base + q_idx * stride_qm + offs_d[None, :] * stride_qd, mask=q_ok & d_ok[None, :], other=0.0){upcast}
 
     # Online softmax state; m_i is in the base the scores are in (see the exp2 arguments below).
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -172,7 +176,7 @@ def attention_fwd(
         kn = start_n + offs_n
         k_idx = kn[None, :]
         k_ok = k_idx < N
-        kT = tl.load(k_base + offs_d[:, None] * stride_kd + k_idx * stride_kn, mask=d_ok[:, None] & k_ok, other=0.0)
+        kT = tl.load(k_base + offs_d[:, None] * stride_kd + k_idx * stride_kn, mask=d_ok[:, None] & k_ok, other=0.0){upcast}
 {_indent(scores, 8)}
         s = tl.where({" & ".join(keep)}, s, float("-inf"))
 
@@ -182,8 +186,8 @@ def attention_fwd(
         alpha = tl.exp2((m_i - m_sub){to_base2})
         p = tl.exp2((s - m_sub[:, None]){to_base2})
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + kn[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=(kn[:, None] < N) & d_ok[None, :], other=0.0)
-        acc = tl.dot(p.to({_TL_DTYPE[dtype]}), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        v = tl.load(v_base + kn[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=(kn[:, None] < N) & d_ok[None, :], other=0.0){upcast}
+        acc = tl.dot(p.to({p_dtype}), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Not special-cased: a row with no visible key has l_i = 0 and gives NaN, as eager softmax over all -inf does.
@@ -230,8 +234,8 @@ def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extr
     if len(extras) != mod.n_extra:
         raise ValueError(f"attention: score mod wants {mod.n_extra} extra tensor(s), got {len(extras)}")
 
-    check_mode(q.device.type)
-    kernel = load(attention_source(mod, D, q.dtype), "attention_fwd")
+    with target(q.device.type):
+        kernel = load(attention_source(mod, D, q.dtype), "attention_fwd", q.device.type)
     block_m, block_n, num_warps, num_stages = _config(D, q.dtype, q.is_cuda)
     # fp32 inputs: tf32 only where torch's matmul would use it too; 16-bit inputs ignore it (tf32 is Triton's default).
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
@@ -244,11 +248,12 @@ def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extr
         e = e.expand(B, Hq, M, N)
         extra_args += [e, *e.stride()]
     grid = (triton.cdiv(M, block_m), B * Hq)
-    kernel[grid](
-        q, k, v, out, lse, *extra_args,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        Hq, Hq // Hkv, M, N, float(scale),
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision, STORE_LSE=return_lse,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (q, k, v, out, lse, *extra_args, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            Hq, Hq // Hkv, M, N, float(scale))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision, STORE_LSE=return_lse,
+                num_warps=num_warps, num_stages=num_stages)
+    if q.is_cuda:
+        kernel[grid](*args, **meta)
+    else:
+        run_interpreted(kernel, grid, *args, **meta)
     return (out, lse) if return_lse else out

@@ -4,23 +4,31 @@ The source is written to `$FUSER_CACHE_DIR/<sha>.py` and imported from there, so
 real file (it reads the source for its own cache key) and Triton's compiled binaries are reused
 across processes.
 
-Triton's interpreter is a process-wide mode chosen when triton is imported (TRITON_INTERPRET=1):
-in it, kernels run on CPU tensors; out of it, on GPU tensors.  `fuser` turns it on at import on a
-machine without a GPU; `check_mode` names the fix when tensors and mode disagree.
+Kernels for CPU tensors run through Triton's interpreter, kernels for GPU tensors are compiled.
+Triton reads its interpret knob when `@triton.jit` wraps a function (and when an interpreted kernel
+calls a constexpr function), so we set it per kernel, for the device the kernel is made for, instead
+of for the whole process at import: no environment variable and no import order is needed, and one
+process can run both kinds.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import importlib.util
 import os
 import threading
+import warnings
 
+import numpy as np
 import torch
 from triton import knobs
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
-_loaded: dict[str, object] = {}
-_by_source: dict[str, object] = {}  # the hot path: no hashing per launch
+_loaded: dict[tuple, object] = {}
 _lock = threading.Lock()
+_target_interpreted = contextvars.ContextVar("fuser_interpreted", default=False)
 
 
 def cache_dir() -> str:
@@ -29,39 +37,98 @@ def cache_dir() -> str:
     return path
 
 
+def interpreted(device_type: str) -> bool:
+    return device_type == "cpu"
+
+
 def interpreting() -> bool:
-    return bool(knobs.runtime.interpret)
+    """Whether the source being generated now is for the interpreter (see `target`)."""
+    return _target_interpreted.get()
 
 
-def check_mode(device_type: str):
-    if device_type == "cpu" and not interpreting():
-        raise RuntimeError("fuser: kernels on CPU tensors run through Triton's interpreter; set "
-                           "TRITON_INTERPRET=1 before triton is imported (or import fuser first)")
-    if device_type != "cpu" and interpreting():
-        raise RuntimeError("fuser: TRITON_INTERPRET=1 is set, so Triton cannot run kernels on "
-                           f"{device_type} tensors in this process")
+@contextlib.contextmanager
+def target(device_type: str):
+    """Generate (and load, and run) kernels for this device: the interpreter on CPU, else compiled."""
+    token = _target_interpreted.set(interpreted(device_type))
+    try:
+        yield
+    finally:
+        _target_interpreted.reset(token)
 
 
-def load(source: str, name: str):
-    """The jitted function `name` defined in `source`."""
-    hit = _by_source.get(source)
+def math_import(source: str) -> str:
+    """The import a kernel module needs for the `libdevice.<fn>` calls in `source`: CUDA's libdevice
+    when compiled; in the interpreter (which cannot call libdevice) the same names computed by torch
+    on the CPU tensors' values (fuser/codegen/interp_math.py)."""
+    if "libdevice." not in source:
+        return ""
+    if interpreting():
+        return "from fuser.codegen import interp_math as libdevice\n"
+    return "from triton.language.extra import libdevice\n"
+
+
+_as_interpreted: dict = {}
+
+
+def _call_interpreted(jit_fn, *args, **kwargs):
+    """JITFunction.__call__ while a kernel is interpreted.  Triton's own @jit helpers (tl.max,
+    tl.sum, tl.sigmoid...) were wrapped when triton was imported: compiled, unless TRITON_INTERPRET
+    was set then.  Inside an interpreted kernel they run as the interpreter runs its own."""
+    fn = _as_interpreted.get(id(jit_fn))  # by id: hashing a JITFunction walks its source
+    if fn is None:
+        fn = _as_interpreted[id(jit_fn)] = InterpretedFunction(jit_fn.fn)
+    return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _interpret_knob(on: bool):
+    """Triton's interpret knob set as the kernel's device needs, restored after.  Masked-off lanes of
+    an interpreted kernel compute on whatever values they hold (log of 0, 0/0): numpy's warnings
+    about those say nothing about the results and never reach the user."""
+    old, old_call = knobs.runtime.interpret, JITFunction.__call__
+    knobs.runtime.interpret = on
+    try:
+        if on:
+            JITFunction.__call__ = _call_interpreted
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                yield
+        else:
+            yield
+    finally:
+        knobs.runtime.interpret, JITFunction.__call__ = old, old_call
+
+
+def load(source: str, name: str, device_type: str):
+    """The jitted function `name` defined in `source`, made for `device_type` (interpreted on CPU)."""
+    interp = interpreted(device_type)
+    hit = _loaded.get((source, interp))
     if hit is not None:
         return hit
     sha = hashlib.sha256(source.encode()).hexdigest()[:24]
     with _lock:
-        if sha in _loaded:
-            return _loaded[sha]
+        if (source, interp) in _loaded:
+            return _loaded[(source, interp)]
         path = os.path.join(cache_dir(), f"k_{sha}.py")
         if not os.path.exists(path):
-            tmp = f"{path}.{os.getpid()}.tmp"
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
             with open(tmp, "w") as f:
                 f.write(source)
             os.replace(tmp, path)
-        spec = importlib.util.spec_from_file_location(f"fuser_kernels.k_{sha}", path)
+        mode = "interp" if interp else "jit"
+        spec = importlib.util.spec_from_file_location(f"fuser_kernels.{mode}.k_{sha}", path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _loaded[sha] = _by_source[source] = getattr(module, name)
-        return _loaded[sha]
+        with _interpret_knob(interp):
+            spec.loader.exec_module(module)
+        fn = getattr(module, name)
+        _loaded[(source, interp)] = fn
+        return fn
+
+
+def run_interpreted(fn, grid, *args, **kwargs):
+    """Run an interpreted kernel on CPU tensors (the knob on while it runs, numpy quiet)."""
+    with _interpret_knob(True):
+        return fn[grid](*args, **kwargs)
 
 
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
@@ -71,15 +138,20 @@ class Launcher:
     """Launches one kernel on its grid.  On CUDA, after Triton's JIT has compiled it, later launches
     call the compiled kernel directly, skipping the JIT's per-call argument binding (about 15 us of
     host time, which small kernels wait on).  The JIT specialises our kernels only on pointer
-    alignment, so a call whose alignment differs goes back through the JIT."""
+    alignment, so a call whose alignment differs goes back through the JIT.  On CPU the kernel runs
+    through the interpreter."""
 
-    def __init__(self, fn, grid: int, meta: dict):
+    def __init__(self, fn, grid: int, meta: dict, device_type: str):
         self.fn, self.grid, self.meta = fn, grid, meta
+        self.interpreted = interpreted(device_type)
         self.constexprs = tuple(v for k, v in meta.items() if k != "num_warps")  # in parameter order
         self.compiled = None
         self.aligned = None
 
     def __call__(self, *args):
+        if self.interpreted:
+            run_interpreted(self.fn, (self.grid,), *args, **self.meta)
+            return
         compiled = self.compiled
         if compiled is not None and knobs.runtime.launch_enter_hook is None:
             if tuple([a.data_ptr() % 16 == 0 for a in args]) == self.aligned:
@@ -88,5 +160,5 @@ class Launcher:
                              None, None, None, *args, *self.constexprs)
                 return
         compiled = self.fn[(self.grid,)](*args, **self.meta)
-        if self.compiled is None and args[-1].is_cuda and hasattr(compiled, "packed_metadata"):
+        if self.compiled is None and hasattr(compiled, "packed_metadata"):
             self.compiled, self.aligned = compiled, tuple(a.data_ptr() % 16 == 0 for a in args)

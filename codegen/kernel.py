@@ -21,7 +21,7 @@ from fuser.graph import is_generator, meta, shape
 from fuser.region import PERSISTENT_MAX_R, Region
 
 from .blocks import BlockPlan, block_plan
-from .compile import interpreting
+from .compile import interpreting, math_import, target
 
 X = sympy.Symbol("x", integer=True, nonnegative=True)
 R = sympy.Symbol("r", integer=True, nonnegative=True)
@@ -48,6 +48,7 @@ class KernelSource:
     source: str
     plan: BlockPlan
     grid: int
+    checks: tuple = ()  # messages of the flags an interpreted kernel raises on (see `_check`)
     launcher: object = None  # a compile.Launcher, made at the first launch
 
 
@@ -71,8 +72,8 @@ def _promote(args) -> torch.dtype:
     return dt
 
 
-def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple = ()) -> tuple[str, torch.dtype]:
-    """The Triton expression of pointwise node n and the dtype it is held in.
+def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple = ()) -> tuple[str, torch.dtype, list]:
+    """The Triton expression of pointwise node n, the dtype it is held in, and what eager checks.
 
     `operand(a)` names the variable holding tensor operand a (dtypes maps variables to theirs); the
     operands are converted to the op's compute dtype, and a cast rounds to its target dtype."""
@@ -90,7 +91,8 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
             rendered.append(ops.literal(a))
         else:
             rendered.append(a)
-    expr = kind.fmt(ops.Args(n, rendered, index))
+    args = ops.Args(n, rendered, index)
+    expr, checks = kind.fmt(args), kind.checks(args) if kind.checks else []
     res_dt = ops.compute_dtype(out_dt)
     if kind.cast:
         src_dt = meta(n.args[0]).dtype
@@ -99,10 +101,10 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
             # the value eager casts is already rounded to its own 16-bit dtype: round there first
             expr = convert(convert(expr, held, src_dt), src_dt, held)
         rounded = convert(expr, held, out_dt)
-        return (convert(rounded, out_dt, res_dt) if out_dt != res_dt else rounded), res_dt
+        return (convert(rounded, out_dt, res_dt) if out_dt != res_dt else rounded), res_dt, checks
     if kind.promote_inputs:
-        return (expr, torch.bool) if out_dt == torch.bool else (convert(expr, op_dt, res_dt), res_dt)
-    return expr, res_dt
+        return (expr, torch.bool, checks) if out_dt == torch.bool else (convert(expr, op_dt, res_dt), res_dt, checks)
+    return expr, res_dt, checks
 
 
 def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
@@ -136,6 +138,9 @@ class KernelWriter:
         self.count = 0
         self.reduced: dict = {}  # (node, component) -> register holding the per-row result
         self.aliases: dict = {}  # symbol -> the in-range index it names inside a cat/pad branch
+        self.device_type = device_type
+        self.checks: list[str] = []  # messages of the checks emitted, in flag order
+        self.in_loop = False  # inside a loop over R: rmask names the lanes of this tile
         self.ptr = {n: f"in{i}_ptr" for i, n in enumerate(region.inputs)}
         self.ptr.update({n: f"out{i}_ptr" for i, n in enumerate(region.outputs)})
 
@@ -223,18 +228,36 @@ class KernelWriter:
 
     def _gather(self, n, idx, cond) -> str:
         """out[i] = src[i with dim -> index[i]]: the index is loaded, then names a symbol in the
-        source's index math.  An index out of range gives NaN (eager would raise), never a stray load."""
+        source's index math.  An index out of range raises, as in eager; the load is masked by it, so
+        no lane ever reads outside the source."""
         src, dim, index = n.args[0], n.args[1] % len(idx), n.args[2]
         iv = self.value(index, idx, cond)
         size = shape(src)[dim]
         sym = sympy.Symbol(f"g{len(self.aliases)}", integer=True, nonnegative=True)
         self.aliases[sym], self.ranges[sym] = sympy.Symbol(iv), size
         valid = f"({iv} >= 0) & ({iv} < {size})"
+        self._check(ops.Check(valid, f"gather: index out of bounds for dimension {dim} with size {size}"), cond)
         src_idx = tuple(sym if d == dim else i for d, i in enumerate(idx))
         v = self.value(src, src_idx, f"({cond}) & {valid}" if cond else valid)
         cdt = ops.compute_dtype(meta(n).dtype)
-        bad = 'float("nan")' if cdt.is_floating_point else "0"
-        return self.new(f"tl.where({valid}, {convert(v, self.dtypes[v], cdt)}, {bad})", cdt)
+        return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
+
+    def _check(self, check: ops.Check, cond):
+        """Eager raises where `check.cond` fails on a live lane.  Compiled (GPU): a device-side
+        assert, as eager's own kernels do.  Interpreted (CPU): the kernel sets a flag per check and
+        the launch raises RuntimeError(message) (the interpreter ignores device_assert)."""
+        if self.device_type not in check.devices:
+            return
+        ok = f"({check.cond})"
+        lanes = ["xmask"] + (["rmask"] if self.reduction and (self.plan.persistent or self.in_loop) else [])
+        live = " & ".join(lanes + ([f"({cond})"] if cond else []))
+        if not interpreting():
+            self.emit(f'tl.device_assert(~({live}) | {ok}, "fuser: {check.message}")')
+            self.checks.append(check.message)
+            return
+        bad = self.new(f"({live}) & ~{ok}", torch.bool)
+        self.emit(f"tl.store(err_ptr + {len(self.checks)} + {bad}.to(tl.int32) * 0, {bad}.to(tl.int32), mask={bad})")
+        self.checks.append(check.message)
 
     def _layout(self, n, kind, idx, cond) -> str:
         if kind.indirect:
@@ -292,7 +315,10 @@ class KernelWriter:
             return self.value(a, ix.broadcast_index(idx, shape(n), shape(a)), cond)
 
         index = tuple(self.expand_aliases(i) for i in idx)
-        return self.new(*lower_pointwise(n, kind, operand, self.dtypes, index))
+        expr, dt, checks = lower_pointwise(n, kind, operand, self.dtypes, index)
+        for c in checks:
+            self._check(c, cond)
+        return self.new(expr, dt)
 
     # ------------------------------------------------------------------ reductions
     def _reduced(self, n, component: int, idx) -> str:
@@ -368,7 +394,9 @@ class KernelWriter:
         self.scopes.append({})
         self.emit("r = roffset + tl.arange(0, RBLOCK)[None, :]")
         self.emit(f"rmask = r < {self.space.r}")
+        self.in_loop = True
         body()
+        self.in_loop = False
         self.scopes.pop()
         self.depth -= 1
 
@@ -501,12 +529,16 @@ class KernelWriter:
     def _assemble(self) -> KernelSource:
         body = "\n".join(self.lines)
         params = [self.ptr[n] for n in self.region.inputs] + [self.ptr[n] for n in self.region.outputs]
+        params += ["err_ptr"] if self.checks and interpreting() else []
         params += ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.reduction else [])
         used = [src for name, src in ops.HELPERS.items() if re.search(rf"\b{name}\(|\b{name}\)", body)]
         header = self._header()
-        src = (header + "import triton\nimport triton.language as tl\n" + "".join(used) +
-               f"\n\n@triton.jit\ndef {self.name}({', '.join(params)}):\n{body}\n")
-        return KernelSource(self.name, src, self.plan, self.plan.programs)
+        helpers = "".join(used)
+        jit = "@triton.jit(debug=True)  # device-side asserts on" if self.checks and not interpreting() else "@triton.jit"
+        src = (header + "import triton\nimport triton.language as tl\n" + math_import(helpers + body) + helpers +
+               f"\n\n{jit}\ndef {self.name}({', '.join(params)}):\n{body}\n")
+        return KernelSource(self.name, src, self.plan, self.plan.programs,
+                            tuple(self.checks) if interpreting() else ())
 
     def _header(self) -> str:
         from fuser.cost import region_cost, tensor_bytes
@@ -547,4 +579,5 @@ def _max_offset(sig: TensorSig) -> int:
 
 
 def generate(region: Region, inputs: list, outputs: list, device_type: str, name: str) -> KernelSource:
-    return KernelWriter(region, inputs, outputs, device_type, name).generate()
+    with target(device_type):
+        return KernelWriter(region, inputs, outputs, device_type, name).generate()

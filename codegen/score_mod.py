@@ -27,7 +27,9 @@ def score_mod(scores, chain: list, extras: list, cg, causal_offset: int | None =
         dtypes[f"extra{i}"] = meta(e).dtype
     lines = []
     for i, n in enumerate(chain):
-        expr, dt = lower_pointwise(n, cg.info[n], names.__getitem__, dtypes)
+        expr, dt, checks = lower_pointwise(n, cg.info[n], names.__getitem__, dtypes)
+        if checks:
+            raise ValueError(f"attention score chain: {n.name} needs a check eager makes ({checks[0].message})")
         names[n] = f"c{i}"
         dtypes[f"c{i}"] = dt
         lines.append(f"c{i} = {expr}")

@@ -4,15 +4,6 @@ import os as _os
 import sys as _sys
 
 
-def _interpret_without_gpu():
-    """No GPU here: run kernels through Triton's interpreter (a mode fixed when triton is imported)."""
-    if "TRITON_INTERPRET" not in _os.environ and "triton" not in _sys.modules:
-        import torch
-
-        if not torch.cuda.is_available():
-            _os.environ["TRITON_INTERPRET"] = "1"
-
-
 def _mount_source_subpackages():
     """In a source checkout, codegen/ and patterns/ sit beside fuser/; installed, they sit inside it."""
     root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
@@ -29,7 +20,6 @@ def _mount_source_subpackages():
         globals()[sub] = module
 
 
-_interpret_without_gpu()
 _mount_source_subpackages()
 
 from .api import FusedModule, fuse, last_report, reports  # noqa: E402

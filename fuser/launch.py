@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from fuser.codegen.attention import attention_source, flash_attention
-from fuser.codegen.compile import Launcher, check_mode, load
+from fuser.codegen.compile import Launcher, load, target
 from fuser.codegen.kernel import KernelSource, TensorSig, generate
 from fuser.codegen.score_mod import score_mod
 from fuser.patterns.attention import causal_offset
@@ -70,9 +70,14 @@ class RegionKernel(torch.nn.Module):
         outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device) for s in self.out_sigs]
         if not self.empty:
             if src.launcher is None:
-                check_mode(device.type)
-                src.launcher = Launcher(load(src.source, src.name), src.grid, meta_args)
-            if device.type == "cuda" and device.index != torch.cuda.current_device():
+                src.launcher = Launcher(load(src.source, src.name, device.type), src.grid, meta_args, device.type)
+            if src.checks:  # interpreted kernels flag what eager raises on (see KernelWriter._check)
+                flags = torch.zeros(len(src.checks), dtype=torch.int32, device=device)
+                src.launcher(*inputs, *outs, flags)
+                for message, bad in zip(src.checks, flags.tolist()):
+                    if bad:
+                        raise RuntimeError(f"{message} (in fuser kernel {self.name})")
+            elif device.type == "cuda" and device.index != torch.cuda.current_device():
                 with torch.cuda.device(device):
                     src.launcher(*inputs, *outs)
             else:
@@ -92,10 +97,11 @@ class AttentionKernel(torch.nn.Module):
     def __init__(self, att, cg, name: str):
         super().__init__()
         self.att, self.name = att, name
-        self.mod = score_mod(att.scores, att.chain, att.extras, cg, causal_offset(att, cg))
+        with target(meta(att.q).device.type):
+            self.mod = score_mod(att.scores, att.chain, att.extras, cg, causal_offset(att, cg))
+            self.source = attention_source(self.mod, shape(att.q)[-1], meta(att.q).dtype)
         self.in_shapes = tuple(shape(n) for n in att.inputs)
         self.out_dtype = meta(att.out).dtype
-        self.source = attention_source(self.mod, shape(att.q)[-1], meta(att.q).dtype)
 
     def forward(self, q, k, v, *extras):
         got = tuple(tuple(t.shape) for t in (q, k, v, *extras))

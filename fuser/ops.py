@@ -57,11 +57,21 @@ def literal(v) -> str:
 
 
 @dataclass(frozen=True)
+class Check:
+    """A condition eager checks on every element (on `devices`): where `cond` (Triton source) is
+    false, eager raises RuntimeError(message), and so does the kernel (codegen/kernel.py)."""
+    cond: str
+    message: str
+    devices: tuple = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
 class Pointwise:
     fmt: Callable  # (args: Args) -> str
     promote_inputs: bool = False  # compute in the inputs' promoted dtype (comparisons), not the result's
     cast: bool = False            # a dtype conversion: the value is rounded to the result dtype
     bool_args: tuple = ()         # operand positions read as conditions (kept bool, not converted)
+    checks: Callable | None = None  # (args: Args) -> list[Check]: what eager raises on
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,15 @@ def _div_mode(a: Args) -> str:
     return f"_floordiv_int({a[0]}, {a[1]})" if mode == "floor" else f"({a[0]} // {a[1]})"
 
 
+def _int_divisor_nonzero(a: Args) -> list:
+    """Integer division and remainder by zero raise on CPU (CUDA gives an unspecified value)."""
+    if a.dtype.is_floating_point or a.dtype == torch.bool:
+        return []
+    if a.node.target.overloadpacket is aten.div and a.kw("rounding_mode") is None:
+        return []  # true division of ints gives a float
+    return [Check(f"({a[1]} != 0)", "ZeroDivisionError", devices=("cpu",))]
+
+
 def _pow_scalar(a: Args) -> str:
     x, e = a[0], a.node.args[1]
     known = {2: f"({x} * {x})", 3: f"({x} * {x} * {x})", 1: x, 0.5: f"tl.sqrt({x})",
@@ -194,7 +213,7 @@ P = Pointwise
 POINTWISE = {
     aten.add: P(_add), aten.sub: P(lambda a: f"({a[0]} - {_alpha(a, a[1])})"),
     aten.rsub: P(lambda a: f"({_alpha(a, a[1])} - {a[0]})"),
-    aten.mul: P(_mul), aten.div: P(_div_mode), aten.true_divide: P(lambda a: f"({a[0]} / {a[1]})"),
+    aten.mul: P(_mul), aten.div: P(_div_mode, checks=_int_divisor_nonzero), aten.true_divide: P(lambda a: f"({a[0]} / {a[1]})"),
     aten.neg: P(lambda a: f"(-{a[0]})"), aten.abs: P(lambda a: f"tl.abs({a[0]})"),
     aten.reciprocal: P(lambda a: f"(1.0 / {a[0]})"),
     aten.sqrt: P(lambda a: f"tl.sqrt({a[0]})"), aten.rsqrt: P(lambda a: f"tl.rsqrt({a[0]})"),
@@ -227,9 +246,10 @@ POINTWISE = {
     aten.trunc: P(lambda a: f"_trunc({a[0]})" if _is_float(a) else a[0]),
     aten.round: P(lambda a: _round(a) if _is_float(a) else a[0]),
     aten.frac: P(lambda a: f"({a[0]} - _trunc({a[0]}))"),
-    aten.remainder: P(lambda a: f"_remainder({a[0]}, {a[1]})"),
-    aten.fmod: P(lambda a: f"_fmod({a[0]}, {a[1]})"),
-    aten.floor_divide: P(lambda a: f"_floordiv_float({a[0]}, {a[1]})" if _is_float(a) else f"_floordiv_int({a[0]}, {a[1]})"),
+    aten.remainder: P(lambda a: f"_remainder({a[0]}, {a[1]})", checks=_int_divisor_nonzero),
+    aten.fmod: P(lambda a: f"_fmod({a[0]}, {a[1]})", checks=_int_divisor_nonzero),
+    aten.floor_divide: P(lambda a: f"_floordiv_float({a[0]}, {a[1]})" if _is_float(a) else f"_floordiv_int({a[0]}, {a[1]})",
+                         checks=_int_divisor_nonzero),
     **{op: _compare(sym) for op, sym in ((aten.eq, "=="), (aten.ne, "!="), (aten.lt, "<"), (aten.le, "<="),
                                           (aten.gt, ">"), (aten.ge, ">="))},
     aten.isnan: P(lambda a: f"({a[0]} != {a[0]})", promote_inputs=True),

@@ -261,8 +261,8 @@ def test_generated_source_is_cached_and_readable(tmp_path, monkeypatch):
     flash_attention(q, k, v, scale=1.0, mod=mod, extras=(bias,))
     files = list(tmp_path.rglob("*.py"))
     assert len(files) == 1 and files[0].read_text() == src
-    fn = load(src, "attention_fwd")
-    assert fn is load(src, "attention_fwd")
+    fn = load(src, "attention_fwd", "cpu")
+    assert fn is load(src, "attention_fwd", "cpu")
     assert "def attention_fwd" in inspect.getsource(getattr(fn, "fn", fn))
 
 
