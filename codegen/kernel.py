@@ -372,7 +372,12 @@ class KernelWriter:
         if combine in ("argmax", "argmin"):
             ident = _identity("max" if combine == "argmax" else "min", self.dtypes[v])
             fn = "tl.argmax" if combine == "argmax" else "tl.argmin"
-            self.reduced[(n, 0)] = self.new(f"{fn}(tl.where(rmask, {v}, {ident}), 1)[:, None].to(tl.int64)", torch.int64)
+            arg = f"{fn}(tl.where(rmask, {v}, {ident}), 1)[:, None]"
+            if self.dtypes[v].is_floating_point:  # torch: a NaN is the extreme value, the first one wins
+                nan = self.new(f"rmask & ({v} != {v})", torch.bool)
+                first_nan = f"tl.argmax({nan}.to(tl.int32), 1)[:, None]"
+                arg = f"tl.where(tl.max({nan}.to(tl.int32), 1)[:, None] > 0, {first_nan}, {arg})"
+            self.reduced[(n, 0)] = self.new(f"({arg}).to(tl.int64)", torch.int64)
             return
         if combine == "any":
             self.reduced[(n, 0)] = self.new(f"tl.max(tl.where(rmask & ({v} != 0), 1, 0), 1)[:, None] > 0", torch.bool)

@@ -1,10 +1,14 @@
 """`fuser.fuse(model)`: a module with the model's outputs, whose memory-bound work runs fused."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import backend
 from .report import FusionReport
+
+log = logging.getLogger("fuser")
 
 
 class _Function(torch.nn.Module):
@@ -27,6 +31,7 @@ class FusedModule(torch.nn.Module):
         self.graph_modules: list[torch.fx.GraphModule] = []  # the rewritten graphs, in capture order
         self._seen_devices: frozenset | None = None
         target = model.fn if isinstance(model, _Function) else model  # a function compiles without module layers
+        backend.validate(options)  # bad options fail here, not at the first call
         compiled = torch.compile(target, backend=backend.make_backend(self._captured, options), dynamic=False)
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second copy of the weights
 
@@ -38,9 +43,14 @@ class FusedModule(torch.nn.Module):
         before = len(self._graph_reports)
         try:
             out = self._compiled(*args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            raise RuntimeError(f"fuser could not compile a graph of {type(self.model).__name__}: "
-                               f"{type(e.inner_exception).__name__}: {e.inner_exception}") from e
+        except torch._dynamo.exc.TorchRuntimeError as e:
+            # Dynamo met an error running the program on fake tensors: run it for real, so that a
+            # wrong program raises eager's own error (IndexError, ...); if eager runs, Dynamo failed.
+            out = self.model(*args, **kwargs)
+            log.warning("fuser: Dynamo could not trace %s, this call ran eagerly: %s",
+                        type(self.model).__name__, str(e).splitlines()[0])
+            self._latest = [FusionReport(fallback=f"Dynamo could not trace the model: {str(e).splitlines()[0]}")]
+            return out
         if len(self._graph_reports) > before:
             self._latest = self._graph_reports[before:]
         return out

@@ -17,6 +17,10 @@ from .graph import meta, shape
 from .region import Region
 
 
+class EagerCheckError(RuntimeError):
+    """What eager raises on this input (an index out of range, an integer division by zero)."""
+
+
 class RegionKernel(torch.nn.Module):
     def __init__(self, region: Region, name: str):
         super().__init__()
@@ -76,7 +80,7 @@ class RegionKernel(torch.nn.Module):
                 src.launcher(*inputs, *outs, flags)
                 for message, bad in zip(src.checks, flags.tolist()):
                     if bad:
-                        raise RuntimeError(f"{message} (in fuser kernel {self.name})")
+                        raise EagerCheckError(f"{message} (in fuser kernel {self.name})")
             elif device.type == "cuda" and device.index != torch.cuda.current_device():
                 with torch.cuda.device(device):
                     src.launcher(*inputs, *outs)

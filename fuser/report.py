@@ -40,6 +40,9 @@ class FusionReport:
     unfused: list[Unfused] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     code: list[str] = field(default_factory=list, repr=False)  # each rewritten graph as Python
+    graph: int = 0
+    fallback: str | None = None  # why this graph runs as given (eager ATen), if it does
+    fallbacks: list[str] = field(default_factory=list)  # merged reports: one line per such graph
 
     @staticmethod
     def merge(reports: list["FusionReport"]) -> "FusionReport":
@@ -49,7 +52,13 @@ class FusionReport:
             out.unfused += r.unfused
             out.notes += [n for n in r.notes if n not in out.notes]
             out.code += r.code
+            out.fallbacks += r.all_fallbacks
         return out
+
+    @property
+    def all_fallbacks(self) -> list[str]:
+        """One line per graph that runs as given, with the reason."""
+        return self.fallbacks + ([f"graph {self.graph}: {self.fallback}"] if self.fallback else [])
 
     @property
     def bytes_unfused(self) -> int:
@@ -62,7 +71,7 @@ class FusionReport:
     def to_json(self) -> str:
         regions = [{**asdict(r), "k": r.k} for r in self.regions]
         return json.dumps({"regions": regions, "unfused": [asdict(u) for u in self.unfused],
-                           "notes": self.notes}, indent=1)
+                           "notes": self.notes, "fallbacks": self.all_fallbacks}, indent=1)
 
     def __str__(self) -> str:
         rows = [("#", "kind", "ops", "shape", "unfused", "fused", "k")]
@@ -87,6 +96,7 @@ class FusionReport:
             for reason, ops in reasons.items():
                 names = ", ".join(f"{o} x{ops.count(o)}" if ops.count(o) > 1 else o for o in dict.fromkeys(ops))
                 lines.append(f"  {names}: {reason}")
+        lines += [f"left to eager as a whole (fuser failed; the graph runs as given): {f}" for f in self.all_fallbacks]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
