@@ -1,0 +1,191 @@
+"""Eager's semantics on eager's device: NaN/Inf as torch propagates them, eager's errors raised, and
+no kernel that is known to compute wrongly (the interpreter's bf16 dot) ever runs.
+
+Each test checks the fused answer (or error) against eager's, and that the op under test was fused:
+a fallback to eager must not make a semantics test pass.
+"""
+import math
+import warnings
+
+import pytest
+import torch
+
+import fuser
+from helpers import fused_ops
+from tolerances import assert_close_to_eager
+
+transformers = pytest.importorskip("transformers")
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _rows_with_nan(device, dtype, shape=(6, 37)):
+    a = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    a[1, 3] = a[1, 9] = float("nan")   # two NaNs: the first one's index
+    a[2, 0] = float("nan")
+    a[3, -1] = float("nan")
+    a[4, 5] = float("inf")              # inf is not NaN: the max is still the inf
+    a[5, 7] = -float("inf")
+    return a.to(device)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("op", ["argmax", "argmin"])
+@pytest.mark.parametrize("dim", [-1, 0, None])
+def test_argmax_argmin_nan(op, dim, dtype, device):
+    a = _rows_with_nan(device, dtype)
+
+    def fn(a):
+        return getattr(a * 2, op)(dim)
+
+    fused = fuser.fuse(fn)
+    torch.testing.assert_close(fused(a), fn(a), atol=0, rtol=0)
+    assert op in fused_ops(fused.report)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_nan_through_max_min_clamp_where(dtype, device):
+    a = _rows_with_nan(device, dtype)
+    b = torch.randn(a.shape, generator=torch.Generator().manual_seed(4)).to(dtype).to(device)
+    b[0, :5] = float("nan")
+
+    def fn(a, b):
+        return (torch.maximum(a * 2, b), torch.minimum(a * 2, b), (a * 2).clamp(-0.5, 0.5),
+                torch.where(a * 2 > 0, a, b) + 1, (a * 2).amax(-1), (a * 2).amin(0))
+
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(a, b), fn(a, b))
+    assert {"maximum", "minimum", "clamp", "where", "amax", "amin"} <= fused_ops(fused.report)
+
+
+def test_softmax_over_rows_all_minus_inf(device):
+    """A fully masked row: eager's softmax gives NaN (0/0), so does the kernel."""
+    a = torch.randn(5, 33, device=device)
+    mask = torch.rand(5, 33, device=device) < 0.3
+    mask[2] = True
+
+    def fn(a, m):
+        return torch.softmax((a * 2).masked_fill(m, -float("inf")), -1)
+
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(a, mask), fn(a, mask))
+    assert fused(a, mask)[2].isnan().all()
+    assert "amax" in fused_ops(fused.report)
+
+
+def test_gather_index_out_of_range_raises(device):
+    if device != "cpu":
+        pytest.skip("CUDA: eager and fuser both stop on a device-side assert, which ends the process")
+    a = torch.randn(4, 5, device=device)
+    idx = torch.randint(0, 5, (4, 3), device=device)
+
+    def fn(a, i):
+        return torch.gather(a * 2, 1, i) + 1
+
+    fused = fuser.fuse(fn)
+    torch.testing.assert_close(fused(a, idx), fn(a, idx))  # in range: eager's values
+    assert "gather" in fused_ops(fused.report)
+    for bad in (5, -1):
+        idx[2, 1] = bad
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            fn(a, idx)
+        with pytest.raises(RuntimeError, match="index out of bounds for dimension 1 with size 5"):
+            fused(a, idx)
+
+
+def test_gather_kernel_guards_its_loads_on_gpu(device):
+    """On the GPU the kernel asserts on the device (as eager's gather does) and masks the load, so an
+    out-of-range index never reads outside the tensor."""
+    if device != "cuda":
+        pytest.skip("the compiled (GPU) kernel source")
+    fused = fuser.fuse(lambda a, i: torch.gather(a * 2, 1, i) + 1)
+    fused(torch.randn(4, 5, device=device), torch.randint(0, 5, (4, 3), device=device))
+    src = fused.report.regions[0].source
+    assert "tl.device_assert" in src and "@triton.jit(debug=True)" in src
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("op", ["floor_divide", "remainder", "fmod", "div_trunc", "div_floor"])
+def test_integer_division_by_zero(op, dtype, device):
+    fns = {"floor_divide": lambda a, b: (a * 2) // b + 1, "remainder": lambda a, b: (a * 2) % b + 1,
+           "fmod": lambda a, b: torch.fmod(a * 2, b) + 1,
+           "div_trunc": lambda a, b: torch.div(a * 2, b, rounding_mode="trunc") + 1,
+           "div_floor": lambda a, b: torch.div(a * 2, b, rounding_mode="floor") + 1}
+    fn = fns[op]
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(-50, 50, (9, 13), generator=g, dtype=dtype).to(device)
+    b = torch.randint(1, 7, (9, 13), generator=g, dtype=dtype).to(device) * torch.where(
+        torch.rand(9, 13, generator=g) < 0.5, -1, 1).to(dtype).to(device)
+    fused = fuser.fuse(fn)
+    torch.testing.assert_close(fused(a, b), fn(a, b), atol=0, rtol=0)
+    assert fused.report.regions
+    if device != "cpu":
+        return  # CUDA eager does not raise on integer division by zero
+    b[4, 6] = 0
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        fn(a, b)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        fused(a, b)
+
+
+def test_float_division_by_zero_gives_inf_not_an_error(device):
+    a, b = torch.randn(7, 9, device=device), torch.randn(7, 9, device=device)
+    b[1, 1] = 0.0
+    b[2, 2] = -0.0
+
+    def fn(a, b):
+        return (a * 2) / b, torch.remainder(a * 2, b), torch.floor_divide(a * 2, b)
+
+    assert_close_to_eager(fuser.fuse(fn)(a, b), fn(a, b))
+
+
+def test_amax_over_an_empty_dim_raises_eagers_error(device):
+    fused = fuser.fuse(lambda a: (a * 2).amax(1))
+    with pytest.raises(IndexError, match="Expected reduction dim 1 to have non-zero size"):
+        fused(torch.randn(3, 0, device=device))
+
+
+def _attention(q, k, v, mask):
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask, -1) @ v
+
+
+def test_bf16_attention_matches_eager(device):
+    """In bf16 the interpreter's tl.dot is wrong (values ~1e8): the CPU kernel upcasts its tiles to
+    fp32 before each dot; on the GPU bf16 dots are native.  Compared with an fp64 reference: eager
+    bf16 rounds the scores and probabilities, the kernel does not."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 3, 37, 16, generator=g).to(device, torch.bfloat16) for _ in range(3))
+    mask = torch.where(torch.rand(37, 37, generator=g) < 0.2, -1e4, 0.0).to(device, torch.bfloat16)
+    fused = fuser.fuse(_attention)
+    with torch.no_grad():
+        got, want = fused(q, k, v, mask), _attention(q, k, v, mask)
+    ref = _attention(*(t.double() for t in (q, k, v, mask)))
+    assert [r.kind for r in fused.report.regions].count("attention") == 1
+    assert (got.double() - ref).abs().max() <= 2 * (want.double() - ref).abs().max() + 1e-2
+
+
+def test_hf_llama_bf16_gives_eagers_tokens(device):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16).eval()
+    ids = torch.randint(0, 211, (2, 23), device=device)
+    fused = fuser.fuse(model)
+    with torch.no_grad():
+        got, want = fused(input_ids=ids).logits, model(input_ids=ids).logits
+    assert "attention" in [r.kind for r in fused.report.regions]
+    assert got.abs().max() < 100  # the broken dot gave values of ~1e8
+    torch.testing.assert_close(got, want, atol=6e-2, rtol=6e-2)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95  # ties in bf16 may flip a few
+
+
+def test_interpreter_is_quiet(device):
+    """Masked-off lanes compute log(0), 0/0, exp overflow: numpy's warnings about them never reach the user."""
+    a = torch.randn(5, 37, device=device)
+
+    def fn(a):
+        return torch.log(a.abs() * 0) + torch.exp(a * 1e4) / (a * 0), torch.softmax(a * 3, -1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fuser.fuse(fn)(a)
+    assert_close_to_eager(got, fn(a))
