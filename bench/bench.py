@@ -489,8 +489,6 @@ def main(argv=None):
 
     start = time.perf_counter()
     device = torch.device(args.device)
-    if device.type == "cpu":  # fuser's kernels run in Triton's interpreter there, which must be on before triton is imported
-        os.environ["TRITON_INTERPRET"] = "1"
     wanted = [w.strip().lower() for w in args.rows.split(",")] if args.rows else [""]
     rows = [row for row in ROWS if any(w in row.name.lower() for w in wanted)]
     if not rows:

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-import fuser  # noqa: F401  (imported first: it turns on Triton's interpreter where there is no GPU)
+import fuser  # noqa: F401
 
 DEVICE = "cuda" if os.environ.get("FUSER_TEST_DEVICE") == "cuda" and torch.cuda.is_available() else "cpu"
 
