@@ -3,6 +3,8 @@
 Outputs match eager, and the memory-bound work outside attention (norms, activations and gates,
 residual adds, RoPE) sits inside fused regions.  fp32 on CPU: tolerances are fp32 reordering.
 """
+import re
+
 import pytest
 import torch
 
@@ -54,7 +56,31 @@ def test_gpt2(device):
     ops = fused_ops(fused.report)
     assert {"var_mean", "rsqrt", "tanh", "add"} <= ops  # LayerNorm with its residual add, GELU(tanh)
     text = str(fused.report)
-    assert "reduction" in text and "k" in text
+    rows = _table_rows(text)
+    assert len(rows) == len(fused.report.regions) > 0, text
+    assert text.splitlines()[0].startswith(f"fuser: {len(fused.report.regions)} fused regions"), text
+    for row, r in zip(rows, fused.report.regions):
+        assert row["kind"] == r.kind and row["#"] == f"{r.graph}.{r.id}", (row, r)
+        k = float(row["k"])
+        assert r.bytes_fused > 0 and abs(k - r.bytes_unfused / r.bytes_fused) <= 0.005, (row, r)
+        if any("var_mean" in o for o in r.ops):  # LayerNorm: x read once instead of once per op
+            assert r.kind == "reduction" and k > 1.5, (row, r)
+    assert sum("var_mean" in row["ops"] for row in rows) >= 2 * cfg.n_layer + 1  # ln_1, ln_2 per block, ln_f
+
+
+def _table_rows(text: str) -> list[dict]:
+    """The region table of a printed FusionReport, as dicts keyed by its header (cells are separated
+    by two or more spaces; no cell contains two spaces)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("#  "))
+    header = re.split(r"\s{2,}", lines[start].strip())
+    rows = []
+    for line in lines[start + 1:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) != len(header):
+            break
+        rows.append(dict(zip(header, cells)))
+    return rows
 
 
 def test_bert_with_padding_mask(device):
