@@ -209,6 +209,52 @@ def _bool(x: str) -> str:
     return f"({x} != 0)"
 
 
+def _in_dtype(a: Args, i: int = 0) -> torch.dtype:
+    return a.node.args[i].meta["val"].dtype
+
+
+def _libdevice(name: str) -> Pointwise:
+    """A function CUDA's libdevice has (codegen/interp_math.py stands in for it when interpreted)."""
+    return Pointwise(lambda a: f"libdevice.{name}({', '.join(a.rendered)})")
+
+
+def _sign(a: Args) -> str:
+    """-1, 0 or 1; 0 for NaN (and for -0.0), as eager's (0 < x) - (x < 0)."""
+    x = a[0]
+    return f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({x}.dtype)"
+
+
+def _signbit(a: Args) -> str:
+    dt = _in_dtype(a)
+    if dt == torch.bool:
+        return f"({a[0]} & False)"
+    if not dt.is_floating_point:
+        return f"({a[0]} < 0)"
+    bits = "tl.int64" if dt == torch.float64 else "tl.int32"
+    return f"({a[0]}.to({bits}, bitcast=True) < 0)"
+
+
+def _fmax_fmin(cmp: str) -> Pointwise:
+    """fmax/fmin: a NaN operand loses to a number (maximum/minimum propagate it instead)."""
+    return Pointwise(lambda a: f"tl.where({a[1]} != {a[1]}, {a[0]}, tl.where({a[0]} {cmp} {a[1]}, {a[0]}, {a[1]}))")
+
+
+def _elu(a: Args) -> str:
+    alpha, scale, input_scale = (tuple(a.node.args[1:]) + (1.0, 1.0, 1.0)[len(a.node.args) - 1:])[:3]
+    x = a[0]
+    neg = f"_expm1({x} * {literal(float(input_scale))})"
+    return f"tl.where({x} > 0, {x} * {literal(float(scale))}, {literal(float(alpha * scale))} * {neg})"
+
+
+def _polygamma(a: Args) -> str:
+    n, x = a.node.args[0], a[1]
+    if n == 0:
+        return f"_digamma({x})"
+    if n == 1:
+        return f"_trigamma({x})"
+    return f"({literal(float((-1) ** (n + 1) * math.factorial(n)))} * _zeta({literal(float(n + 1))}, {x}))"
+
+
 P = Pointwise
 POINTWISE = {
     aten.add: P(_add), aten.sub: P(lambda a: f"({a[0]} - {_alpha(a, a[1])})"),
@@ -240,7 +286,7 @@ POINTWISE = {
     aten.clamp_max: P(lambda a: _clamp_literal(a[0], None, a[1])),
     aten.where: P(lambda a: f"tl.where({a[0]}, {a[1]}, {a[2]})", bool_args=(0,)),
     aten.masked_fill: P(lambda a: f"tl.where({a[1]}, {a[2]}, {a[0]})", bool_args=(1,)),
-    aten.sign: P(lambda a: f"tl.where({a[0]} > 0, 1, tl.where({a[0]} < 0, -1, {a[0]} * 0))"),
+    aten.sign: P(_sign), aten.sgn: P(_sign), aten.signbit: P(_signbit, promote_inputs=True),
     aten.floor: P(lambda a: f"tl.floor({a[0]})" if _is_float(a) else a[0]),
     aten.ceil: P(lambda a: f"tl.ceil({a[0]})" if _is_float(a) else a[0]),
     aten.trunc: P(lambda a: f"_trunc({a[0]})" if _is_float(a) else a[0]),
@@ -255,9 +301,30 @@ POINTWISE = {
     aten.isnan: P(lambda a: f"({a[0]} != {a[0]})", promote_inputs=True),
     aten.isinf: P(lambda a: f"(tl.abs({a[0]}) == float(\"inf\"))", promote_inputs=True),
     aten.logical_not: P(lambda a: f"({a[0]} == 0)", promote_inputs=True),
-    aten.logical_and: P(lambda a: f"({_bool(a[0])} & {_bool(a[1])})", promote_inputs=True),
-    aten.logical_or: P(lambda a: f"({_bool(a[0])} | {_bool(a[1])})", promote_inputs=True),
-    aten.logical_xor: P(lambda a: f"({_bool(a[0])} ^ {_bool(a[1])})", promote_inputs=True),
+    **{getattr(aten, n): _libdevice(n) for n in ("asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh",
+                                                  "atanh", "erfinv", "lgamma", "hypot", "copysign", "nextafter")},
+    **{op: _libdevice(n) for op, n in ((aten.i0, "cyl_bessel_i0"), (aten.special_i1, "cyl_bessel_i1"),
+                                       (aten.special_modified_bessel_i0, "cyl_bessel_i0"),
+                                       (aten.special_modified_bessel_i1, "cyl_bessel_i1"),
+                                       (aten.special_erfcx, "erfcx"), (aten.special_ndtri, "normcdfinv"),
+                                       (aten.special_bessel_j0, "j0"), (aten.special_bessel_j1, "j1"),
+                                       (aten.special_bessel_y0, "y0"), (aten.special_bessel_y1, "y1"))},
+    aten.ldexp: P(lambda a: f"({a[0]} * tl.exp2({a[1]}))"),  # eager: x * 2.0 ** e
+    aten.fmax: _fmax_fmin(">"), aten.fmin: _fmax_fmin("<"),
+    aten.elu: P(_elu),
+    aten.digamma: P(lambda a: f"_digamma({a[0]})"), aten.polygamma: P(_polygamma),
+    aten.special_zeta: P(lambda a: f"_zeta({a[0]}, {a[1]})"),
+    aten.special_i0e: P(lambda a: f"_i0e({a[0]})"), aten.special_i1e: P(lambda a: f"_i1e({a[0]})"),
+    aten.special_modified_bessel_k0: P(lambda a: f"(_k0e({a[0]}) * tl.exp(-{a[0]}))"),
+    aten.special_modified_bessel_k1: P(lambda a: f"(_k1e({a[0]}) * tl.exp(-{a[0]}))"),
+    aten.special_scaled_modified_bessel_k0: P(lambda a: f"_k0e({a[0]})"),
+    aten.special_scaled_modified_bessel_k1: P(lambda a: f"_k1e({a[0]})"),
+    aten.special_spherical_bessel_j0: P(lambda a: f"_spherical_j0({a[0]})"),
+    # as selects and comparisons of truth values: the interpreter has no & | ^ between a float
+    # operand's comparison and a scalar's
+    aten.logical_and: P(lambda a: f"tl.where({_bool(a[0])}, {_bool(a[1])}, False)", promote_inputs=True),
+    aten.logical_or: P(lambda a: f"tl.where({_bool(a[0])}, True, {_bool(a[1])})", promote_inputs=True),
+    aten.logical_xor: P(lambda a: f"({_bool(a[0])} != {_bool(a[1])})", promote_inputs=True),
     aten.bitwise_and: P(lambda a: f"({a[0]} & {a[1]})"), aten.bitwise_or: P(lambda a: f"({a[0]} | {a[1]})"),
     aten.bitwise_xor: P(lambda a: f"({a[0]} ^ {a[1]})"),
     aten.bitwise_not: P(lambda a: f"({a[0]} == 0)" if a.dtype == torch.bool else f"(~{a[0]})"),
@@ -359,6 +426,169 @@ def _floordiv_float(a, b):
     fl = tl.where(div - fl > 0.5, fl + 1.0, fl)
     return tl.where(b == 0, a / b, tl.where(div == 0, div * 0.0, fl))
 """,
+    # Special functions libdevice lacks, after Cephes and torch's ATen/native/Math.h.
+    "_digamma": """
+@triton.jit
+def _digamma(x):
+    # reflection for x < 0, recurrence up to x >= 10, then the asymptotic series in 1/x^2
+    pi = 3.141592653589793
+    neg = x < 0
+    frac = x - tl.where(x < 0, tl.ceil(x), tl.floor(x))
+    refl = pi * tl.cos(pi * frac) / tl.sin(pi * frac)
+    y = tl.where(neg, 1.0 - x, x)
+    acc = y * 0.0
+    for _ in tl.static_range(10):
+        small = y < 10.0
+        acc = acc - tl.where(small, 1.0 / y, 0.0)
+        y = tl.where(small, y + 1.0, y)
+    z = 1.0 / (y * y)
+    poly = ((((((8.33333333333333333333e-2 * z - 2.10927960927960927961e-2) * z + 7.57575757575757575758e-3) * z
+                - 4.16666666666666666667e-3) * z + 3.96825396825396825397e-3) * z - 8.33333333333333333333e-3) * z
+            + 8.33333333333333333333e-2)
+    r = acc + tl.log(y) - 0.5 / y - tl.where(y < 1e17, z * poly, 0.0)
+    r = tl.where(neg, r - refl, r)
+    r = tl.where(neg & (x == tl.floor(x)), float("nan"), r)
+    return tl.where(x == 0, tl.where(1.0 / x > 0, -float("inf"), float("inf")), r)  # copysign(inf, -x)
+""",
+    "_trigamma": """
+@triton.jit
+def _trigamma(x):
+    pi = 3.141592653589793
+    refl = x < 0.5
+    s = tl.sin(pi * x)
+    acc = tl.where(refl, -(pi * pi) / (s * s), 0.0)
+    y = tl.where(refl, 1.0 - x, x)
+    for _ in tl.static_range(6):
+        acc = acc + 1.0 / (y * y)
+        y = y + 1.0
+    ixx = 1.0 / (y * y)
+    acc = acc + (1.0 + 1.0 / (2.0 * y) + ixx * (1.0 / 6.0 - ixx * (1.0 / 30.0 - ixx * (1.0 / 42.0)))) / y
+    return tl.where(refl, -acc, acc)
+""",
+    "_zeta": """
+@triton.jit
+def _zeta(x, q):
+    # Hurwitz zeta: nine terms of the sum, then Euler-Maclaurin (Cephes zeta.c)
+    eps = 1.11022302462515654042e-16
+    x, q = q * 0.0 + x, x * 0.0 + q  # both blocks: the interpreter has no & between scalar conditions
+    s = _pow(q, -x)
+    a = q
+    b = s * 0.0
+    for _ in tl.static_range(9):
+        a = a + 1.0
+        b = _pow(a, -x)
+        s = s + b
+    # Cephes sums on while a <= 9 (q < 0): as many more terms as the block's most negative q needs
+    more = tl.where((a <= 9.0) & (q > -1e6), 9.0 - a + 1.0, 0.0)
+    if len(more.shape) > 0:
+        more = tl.max(tl.ravel(more), 0)
+    more = more.to(tl.int32)
+    for _ in range(0, more):
+        on = a <= 9.0
+        a = tl.where(on, a + 1.0, a)
+        b = tl.where(on, _pow(a, -x), b)
+        s = tl.where(on, s + b, s)
+    w = a
+    s = s + b * w / (x - 1.0) - 0.5 * b
+    fa = s * 0.0 + 1.0
+    k = 0.0
+    done = s != s
+    for i in tl.static_range(12):
+        c = (12.0, -720.0, 30240.0, -1209600.0, 47900160.0, -1.8924375803183791606e9, 7.47242496e10,
+             -2.950130727918164224e12, 1.1646782814350067249e14, -4.5979787224074726105e15,
+             1.8152105401943546773e17, -7.1661652561756670113e18)[i]
+        fa = fa * (x + k)
+        b = b / w
+        t = fa * b / c
+        s = tl.where(done, s, s + t)
+        done = done | (tl.abs(t / s) < eps)
+        k = k + 1.0
+        fa = fa * (x + k)
+        b = b / w
+        k = k + 1.0
+    bad_q = (q <= 0) & (q == tl.floor(q))
+    s = tl.where((q <= 0) & (x != tl.floor(x)), float("nan"), s)
+    s = tl.where(bad_q, float("inf"), s)
+    s = tl.where(x < 1.0, float("nan"), s)
+    return tl.where(x == 1.0, float("inf"), s)
+""",
+    "_bessel_i_asym": """
+@triton.jit
+def _bessel_i_asym(ax, nu4):
+    # exp(-x) I_nu(x) for large x: 1/sqrt(2 pi x) sum_k prod_j ((2j-1)^2 - 4 nu^2) / (k! (8x)^k)
+    term = 1.0 / tl.sqrt(6.283185307179586 * ax)
+    acc = term
+    for k in tl.static_range(1, 9):
+        term = term * ((2 * k - 1) * (2 * k - 1) - nu4) / (8.0 * k * ax)
+        acc = acc + term
+    return acc
+""",
+    "_i0e": """
+@triton.jit
+def _i0e(x):
+    ax = tl.abs(x)
+    small = libdevice.cyl_bessel_i0(tl.where(ax < 80.0, x, 0.0)) * tl.exp(-ax)
+    return tl.where(ax < 80.0, small, _bessel_i_asym(ax, 0.0))
+""",
+    "_i1e": """
+@triton.jit
+def _i1e(x):
+    ax = tl.abs(x)
+    small = libdevice.cyl_bessel_i1(tl.where(ax < 80.0, x, 0.0)) * tl.exp(-ax)
+    big = _bessel_i_asym(ax, 4.0)
+    return tl.where(ax < 80.0, small, tl.where(x < 0, -big, big))
+""",
+    "_k_int": """
+@triton.jit
+def _k_int(x, ONE: tl.constexpr):
+    # exp(x) K_nu(x), nu = 0 or 1, from K_nu(x) = int_0^inf exp(-x cosh t) cosh(nu t) dt by the
+    # trapezoid rule (exponentially convergent here): in t for x <= 2, in v = sqrt(2x) sinh(t/2) above
+    h = 0.25
+    xs = tl.where(x <= 2.0, x, 2.0)
+    acc = xs * 0.0
+    for k in range(0, 81):
+        t = xs * 0.0 + k * h  # in x's precision
+        ct = 0.5 * (tl.exp(t) + tl.exp(-t))
+        f = tl.exp(-xs * (ct - 1.0))
+        if ONE:
+            f = f * ct
+        acc = acc + tl.where(k == 0, 0.5, 1.0) * f
+    xl = tl.where(x > 2.0, x, 2.0)
+    acc2 = xl * 0.0
+    for k in range(0, 28):
+        v = xl * 0.0 + k * h
+        f = tl.exp(-v * v) * 2.0 / tl.sqrt(2.0 * xl + v * v)
+        if ONE:
+            f = f * (1.0 + v * v / xl)
+        acc2 = acc2 + tl.where(k == 0, 0.5, 1.0) * f
+    return h * tl.where(x <= 2.0, acc, acc2)
+""",
+    "_k0e": """
+@triton.jit
+def _k0e(x):
+    # below 1e-6 the leading terms of the series: -(log(x/2) + gamma) (1 + x^2/4) + x^2/4
+    tiny = (-(tl.log(0.5 * x) + 0.5772156649015329) * (1.0 + 0.25 * x * x) + 0.25 * x * x) * tl.exp(x)
+    r = tl.where(x < 1e-6, tiny, _k_int(tl.where(x < 1e-6, 1.0, x), False))
+    r = tl.where(x == 0, float("inf"), r)
+    return tl.where(x < 0, float("nan"), r)
+""",
+    "_k1e": """
+@triton.jit
+def _k1e(x):
+    tiny = (1.0 / x + 0.5 * x * (tl.log(0.5 * x) + 0.5772156649015329 - 0.5)) * tl.exp(x)
+    r = tl.where(x < 1e-6, tiny, _k_int(tl.where(x < 1e-6, 1.0, x), True))
+    r = tl.where(x == 0, float("inf"), r)
+    return tl.where(x < 0, float("nan"), r)
+""",
+    "_spherical_j0": """
+@triton.jit
+def _spherical_j0(x):
+    x2 = x * x
+    series = 1.0 + x2 * (-1.0 / 6.0 + x2 * (1.0 / 120.0 + x2 * (-1.0 / 5040.0 + x2 * (
+        1.0 / 362880.0 + x2 * (-1.0 / 39916800.0 + x2 * (1.0 / 6227020800.0))))))
+    r = tl.where(tl.abs(x) < 0.5, series, tl.sin(x) / x)
+    return tl.where(tl.abs(x) == float("inf"), 0.0, r)
+""",
     "_floordiv_int": """
 @triton.jit
 def _floordiv_int(a, b):
@@ -366,6 +596,11 @@ def _floordiv_int(a, b):
     return tl.where(((a % b) != 0) & ((a < 0) != (b < 0)), q - 1, q)
 """,
 }
+
+# codegen emits the helpers a kernel's body names; a helper that calls others carries their source
+for _name, _deps in {"_zeta": ("_pow",), "_i0e": ("_bessel_i_asym",), "_i1e": ("_bessel_i_asym",),
+                     "_k0e": ("_k_int",), "_k1e": ("_k_int",)}.items():
+    HELPERS[_name] += "".join(HELPERS[d] for d in _deps)
 
 
 # ----------------------------------------------------------------------------- layout
