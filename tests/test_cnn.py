@@ -1,0 +1,267 @@
+"""Conv nets: BatchNorm (eval: a per-channel affine folded into the region; training: statistics and
+running-stat updates fused), GroupNorm and InstanceNorm as row reductions, NCHW and channels_last.
+
+Whole blocks are compared with eager at a looser fp32 tolerance (as tests/test_models.py does):
+convolutions and their weight gradients sum hundreds of products, so reordered fp32 sums differ by
+more than one op's tolerance.  Training runs in fp32 on every device: ReLU's gradient is a step, so a
+pre-activation within rounding of 0 takes the other branch, and its whole gradient (spread by the
+convolution's backward) differs.  In bf16, where eager rounds between ops and the kernel does not,
+that happens to a few elements of every tensor; in fp32 only within ~1e-7 of 0 (seeds are fixed;
+seed 0 puts one ResNet pre-activation at 3e-8 in eager, -1e-8 in fp64, so the ResNet tests use 1).
+Sizes are odd (batch 3, 13x11, 12/20 channels) and small: the kernels run through Triton's
+interpreter on CPU.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fuser
+from tolerances import tol
+
+BLOCK_TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
+LAYOUTS = ["nchw", "channels_last"]
+
+
+def _dtype(device):
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def _prepare(model, x, layout, device, dtype=None):
+    """Random (never zero) weights, random positive BN running stats, the model and input in `layout`."""
+    dtype = dtype or _dtype(device)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._NormBase):
+                if m.affine:
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.uniform_(-0.5, 0.5)
+                if m.track_running_stats:
+                    m.running_mean.uniform_(-0.5, 0.5)
+                    m.running_var.uniform_(0.5, 2.0)
+            elif isinstance(m, nn.GroupNorm) and m.affine:
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    model = model.to(device, dtype)
+    x = x.to(device, dtype)
+    if layout == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    return model, x
+
+
+def _infer(model, x):
+    model.eval()
+    fused = fuser.fuse(model)
+    with torch.no_grad():
+        out, want = fused(x), model(x)
+    torch.testing.assert_close(out, want, **BLOCK_TOL[x.dtype])
+    return fused
+
+
+def _train(model, x, steps=3, lr=0.05):
+    """`steps` SGD steps through the fused model and through an eager copy: outputs, the gradients of
+    the input and of every parameter, and the buffers (BN running stats) agree at every step."""
+    model.train()
+    ref = copy.deepcopy(model)
+    fused = fuser.fuse(model)
+    t = BLOCK_TOL[x.dtype]
+    for step in range(steps):
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, want = fused(xa), ref(xb)
+        torch.testing.assert_close(out, want, **t)
+        grad = torch.randn_like(want)
+        out.backward(grad)
+        want.backward(grad)
+        torch.testing.assert_close(xa.grad, xb.grad, **t)
+        with torch.no_grad():
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, **t, msg=lambda m: f"step {step}, grad of {name}: {m}")
+                p -= lr * p.grad
+                q -= lr * q.grad
+                p.grad = q.grad = None
+        for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(b, c, **tol(b.dtype), msg=lambda m: f"step {step}, buffer {name}: {m}")
+    return fused
+
+
+def _assert_norms_fused(fused, kind=None):
+    """No norm op and nothing for want of a lowering left eager; the norms' ops sit in fused regions."""
+    for rep in fused.reports:
+        assert rep.fallback is None, rep.fallback
+        for u in rep.unfused:
+            assert "norm" not in u.op and "no Triton lowering" not in u.reason, (u.op, u.reason)
+            assert "not a single tensor" not in u.reason or "convolution" in u.op, (u.op, u.reason)
+    regions = [r for rep in fused.reports for r in rep.regions]
+    if kind == "reduction":  # statistics from the batch: var_mean in a reduction region, rsqrt with it
+        assert any(r.kind == "reduction" and {"var_mean", "rsqrt"} <= fused_ops_of(r) for r in regions)
+    elif kind == "affine":  # eval BatchNorm: running stats folded into a pointwise region
+        assert any(r.kind == "pointwise" and {"sqrt", "mul", "add"} <= fused_ops_of(r) for r in regions)
+
+
+def fused_ops_of(region) -> set:
+    return {o.replace("aten.", "").split(".")[0] for o in region.ops}
+
+
+def _backward_reports(fused):
+    return [rep for rep in fused.reports if any("backward graph" in n for n in rep.notes)]
+
+
+# ----------------------------------------------------------------------------- BatchNorm
+
+
+def _conv_bn_relu(cin=3, c=12):
+    return nn.Sequential(nn.Conv2d(cin, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batchnorm_eval_is_one_pointwise_region(device, layout):
+    torch.manual_seed(0)
+    model, x = _prepare(_conv_bn_relu(), torch.randn(3, 3, 13, 11), layout, device)
+    fused = _infer(model, x)
+    _assert_norms_fused(fused, "affine")
+    (region,) = fused.report.regions  # (x - mean) / sqrt(var + eps) * w + b, then relu: one kernel
+    assert region.kind == "pointwise" and "relu" in fused_ops_of(region)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batchnorm_training_running_stats(device, layout):
+    torch.manual_seed(0)
+    model, x = _prepare(_conv_bn_relu(), torch.randn(3, 3, 13, 11), layout, device, torch.float32)
+    fused = _train(model, x)
+    assert model[1].num_batches_tracked.item() == 3
+    _assert_norms_fused(fused, "reduction")
+    forward = fused.reports[0]
+    # statistics, normalisation, affine, relu and both running-stat updates: one kernel
+    (region,) = [r for r in forward.regions if r.kind == "reduction"]
+    assert {"var_mean", "rsqrt", "relu"} <= fused_ops_of(region)
+    assert sum(o.startswith("aten.add") for o in region.ops) >= 3  # eps, running_mean, running_var
+    # backward: the per-channel sums of BN's gradient and the input gradient in one reduction
+    (back,) = _backward_reports(fused)
+    assert [r.kind for r in back.regions] == ["reduction"] and "sum" in fused_ops_of(back.regions[0])
+
+
+# ----------------------------------------------------------------------------- ResNet and ConvNeXt blocks
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: conv-bn-relu-conv-bn, plus the identity or a 1x1 conv-bn downsample, relu."""
+
+    def __init__(self, cin, c, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, c, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.down = None
+        if stride != 1 or cin != c:
+            self.down = nn.Sequential(nn.Conv2d(cin, c, 1, stride, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.down is None else self.down(x)))
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: depthwise 7x7, LayerNorm over channels in NHWC, Linear 4x, GELU, Linear,
+    layer scale, residual (drop_path off)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.dwconv = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c, eps=1e-6)
+        self.pw1 = nn.Linear(c, 4 * c)
+        self.pw2 = nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.rand(c) + 0.5)
+
+    def forward(self, x):
+        y = self.dwconv(x).permute(0, 2, 3, 1)
+        y = self.pw2(nn.functional.gelu(self.pw1(self.norm(y))))
+        return x + (self.gamma * y).permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("down", [False, True], ids=["identity", "downsample"])
+def test_resnet_block_inference(device, layout, down):
+    torch.manual_seed(1)
+    block = BasicBlock(12, 20, stride=2) if down else BasicBlock(12, 12)
+    model, x = _prepare(block, torch.randn(3, 12, 13, 11), layout, device)
+    fused = _infer(model, x)
+    _assert_norms_fused(fused, "affine")
+    # bn1+relu, and bn2 + (downsample bn) + residual add + relu: two pointwise kernels
+    assert [r.kind for r in fused.report.regions] == ["pointwise", "pointwise"]
+    assert {"add", "relu"} <= fused_ops_of(fused.report.regions[-1])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("down", [False, True], ids=["identity", "downsample"])
+def test_resnet_block_training(device, layout, down):
+    torch.manual_seed(1)
+    block = BasicBlock(12, 20, stride=2) if down else BasicBlock(12, 12)
+    model, x = _prepare(block, torch.randn(3, 12, 13, 11), layout, device, torch.float32)
+    fused = _train(model, x, steps=2)
+    _assert_norms_fused(fused, "reduction")
+    # bn1 (+relu) one kernel; bn2, the downsample's bn (same rows), the residual add and relu another
+    forward = fused.reports[0].regions
+    assert [r.kind for r in forward] == ["reduction", "reduction"]
+    assert sum(o.startswith("aten.var_mean") for r in forward for o in r.ops) == (3 if down else 2)
+    assert {"add", "relu"} <= fused_ops_of(forward[-1])
+    (back,) = _backward_reports(fused)
+    assert sum(r.kind == "reduction" for r in back.regions) >= 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_convnext_block_inference(device, layout):
+    torch.manual_seed(0)
+    model, x = _prepare(ConvNeXtBlock(20), torch.randn(3, 20, 13, 11), layout, device)
+    fused = _infer(model, x)
+    _assert_norms_fused(fused, "reduction")  # LayerNorm over channels: a row reduction in NHWC
+    # layer scale and residual in one kernel (GELU sits alone between two matmuls: k = 1, eager)
+    assert any(r.kind == "pointwise" and {"mul", "add"} <= fused_ops_of(r) for r in fused.report.regions)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_convnext_block_training(device, layout):
+    torch.manual_seed(0)
+    model, x = _prepare(ConvNeXtBlock(20), torch.randn(3, 20, 13, 11), layout, device, torch.float32)
+    fused = _train(model, x, steps=2)
+    _assert_norms_fused(fused, "reduction")
+    (back,) = _backward_reports(fused)
+    assert any(r.kind == "reduction" for r in back.regions)  # LayerNorm's gradient
+
+
+# ----------------------------------------------------------------------------- GroupNorm, InstanceNorm
+
+
+NORMS = {
+    "group_norm": lambda c: nn.GroupNorm(4, c),
+    "group_norm_plain": lambda c: nn.GroupNorm(4, c, affine=False),
+    "instance_norm": lambda c: nn.InstanceNorm2d(c, affine=True),
+    "instance_norm_plain": lambda c: nn.InstanceNorm2d(c),
+    "instance_norm_stats": lambda c: nn.InstanceNorm2d(c, affine=True, track_running_stats=True),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", NORMS)
+def test_norm_inference(device, name, layout):
+    torch.manual_seed(0)
+    model, x = _prepare(nn.Sequential(nn.Conv2d(3, 12, 3), NORMS[name](12), nn.GELU()),
+                        torch.randn(3, 3, 13, 11), layout, device)
+    fused = _infer(model, x)
+    # InstanceNorm with running stats uses them in eval: an affine; the others normalise per row
+    _assert_norms_fused(fused, "affine" if name == "instance_norm_stats" else "reduction")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", NORMS)
+def test_norm_training(device, name, layout):
+    torch.manual_seed(0)
+    model, x = _prepare(nn.Sequential(nn.Conv2d(3, 12, 3), NORMS[name](12), nn.GELU()),
+                        torch.randn(3, 3, 13, 11), layout, device, torch.float32)
+    fused = _train(model, x, steps=2)
+    _assert_norms_fused(fused, "reduction")
+    (back,) = _backward_reports(fused)
+    assert any(r.kind == "reduction" and "sum" in fused_ops_of(r) for r in back.regions)
