@@ -41,6 +41,7 @@ def decompositions() -> dict:
         aten._native_batch_norm_legit_functional, aten._batch_norm_with_update_functional,
         aten._batch_norm_no_update]))
     table[aten.native_group_norm.default] = native_group_norm
+    table[aten.native_group_norm_backward.default] = native_group_norm_backward
     table[aten.copy.default] = copy
     for op in ops.KEEP_WHOLE:
         for overload in op.overloads():
@@ -63,6 +64,29 @@ def native_group_norm(x, weight, bias, n: int, c: int, hw: int, groups: int, eps
     if bias is not None:
         out = out + bias.reshape(1, groups, c // groups, 1)
     return out.to(x.dtype).reshape(x.shape), mean.to(x.dtype).reshape(n, groups), rstd.to(x.dtype).reshape(n, groups)
+
+
+def native_group_norm_backward(dy, x, mean, rstd, weight, n: int, c: int, hw: int, groups: int, mask):
+    """GroupNorm's gradient as two kernels: the input's (two sums per group, then the per-element
+    formula) and the affine's (two sums per channel).  Not torch's decomposition: it sums per (N, C)
+    first, then per group, and those reductions over different spaces are six kernels."""
+    dtype = get_computation_dtype(x.dtype)
+    shape = (n, groups, c // groups, hw)
+    dy, rows = dy.to(dtype).reshape(shape), x.to(dtype).reshape(shape)
+    xhat = (rows - mean.to(dtype).reshape(n, groups, 1, 1)) * rstd.to(dtype).reshape(n, groups, 1, 1)
+    dx = dw = db = None
+    if mask[0]:
+        g = dy if weight is None else dy * weight.to(dtype).reshape(1, groups, c // groups, 1)
+        m = shape[2] * shape[3]
+        g_mean = torch.sum(g, dim=[2, 3], keepdim=True) / m
+        gx_mean = torch.sum(g * xhat, dim=[2, 3], keepdim=True) / m
+        dx = ((g - g_mean - xhat * gx_mean) * rstd.to(dtype).reshape(n, groups, 1, 1)).to(x.dtype).reshape(x.shape)
+    out_dtype = (x if weight is None else weight).dtype
+    if mask[1]:
+        dw = torch.sum(dy * xhat, dim=[0, 3]).reshape(c).to(out_dtype)
+    if mask[2]:
+        db = torch.sum(dy, dim=[0, 3]).reshape(c).to(out_dtype)
+    return dx, dw, db
 
 
 def copy(dst, src, non_blocking=False):
