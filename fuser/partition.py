@@ -95,6 +95,7 @@ class Partitioner:
                     merged = self.try_merge(self.group[p], self.group[n])
                     if not merged and n.target is operator.getitem:
                         self.reasons[n] = "a component of an op that stays eager"
+        self.absorb_producers()
         regions = []
         for gid, nodes in self.members.items():
             compute = [n for n in nodes if n.target is not operator.getitem]
@@ -111,6 +112,19 @@ class Partitioner:
                 continue
             regions.append(region)
         return regions
+
+    def absorb_producers(self):
+        """A group whose data only one other group reads joins that group.  Merged pairwise, node by
+        node, its nodes were outputs of each pair and had to share the pair's shape; joined whole, it
+        has no outputs, and a view between it and its consumers (InstanceNorm's and GroupNorm's
+        gradient viewed from [N, C, H, W] to [1, N*C, H, W]) is index math."""
+        for gid in list(self.members):
+            if gid not in self.members:
+                continue
+            nodes = self.members[gid]
+            targets = {self.group.get(c) for n in nodes for c in self.cg.consumers(n) if c not in nodes}
+            if len(targets) == 1 and None not in targets:
+                self.try_merge(targets.pop(), gid)
 
     def unfused(self, regions) -> list[tuple[fx.Node, str]]:
         """Every compute node left to eager, with the reason."""
