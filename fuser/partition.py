@@ -3,6 +3,7 @@
 Walks the graph in order and tries to merge each fusible node's group with the groups of its
 producers.  A merge is kept when (1) the nodes can share one iteration space, (2) the merged group
 leaves the graph acyclic, and (3) the cost model's time for the merged kernel beats the two apart.
+Then a group that only one other group reads tries to join it whole (under the same three tests).
 The support predicate is pluggable (`supported`), as in torch.fx's CapabilityBasedPartitioner.
 """
 from __future__ import annotations
