@@ -405,8 +405,9 @@ def assert_close_widened(got, want, ref64, label=""):
             f"eager {w[idx].item()!r}, float64 {r[idx].item()!r}, allowed |fused - eager| <= {allowed[idx].item():.3g}")
 
 
-# FUSER_FUZZ_EXAMPLES=500 for a longer hunt (the default keeps the file at about a minute on 2 cores)
-SETTINGS = dict(max_examples=int(os.environ.get("FUSER_FUZZ_EXAMPLES", 25)), deadline=None, derandomize=True, database=None, print_blob=True,
+# FUSER_FUZZ_EXAMPLES=500 for a longer hunt (the default, 40 per test, keeps the file near a minute and a half on 2 cores)
+SETTINGS = dict(max_examples=int(os.environ.get("FUSER_FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True,
+                database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
