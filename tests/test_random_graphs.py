@@ -49,7 +49,6 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
-import pytest
 import torch
 from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
