@@ -135,7 +135,9 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = Tr
             launches_unfused=cost.launches_unfused, kernel=kernel.name, source=kernel.source))
         log.debug("region %s (%s, k=%.2f):\n%s", kernel.name, region.kind, cost.k, kernel.source)
     fused = {n for u in units for n in u.nodes}
-    for n, reason in part.unfused([u for u in units if u not in attentions]) + dropped:
+    reasons = dict(part.unfused([u for u in units if u not in attentions]))
+    reasons.update(dropped)  # a region dropped at codegen: its nodes say why, once
+    for n, reason in reasons.items():
         if n not in fused and n.target is not operator.getitem:
             report.unfused.append(Unfused(ops.op_name(n), n.name, reason, graph_index))
     devices = {n.meta["val"].device.type for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}

@@ -17,7 +17,7 @@ import torch.fx as fx
 from . import ops
 from .cost import HBM_BYTES_PER_S, LAUNCH_S, Cost, eager_cost, evaluate, region_cost
 from .graph import ComputeGraph
-from .region import Region, analyze
+from .region import Region, analyze, reduction_space
 
 
 class Partitioner:
@@ -87,6 +87,9 @@ class Partitioner:
     def partition(self) -> list[Region]:
         for n in self.cg.nodes:
             if not self.candidate(n):
+                continue
+            if isinstance(self.cg.info[n], ops.Reduction) and reduction_space(n).r == 0:
+                self.reasons[n] = "a reduction over an empty dim: eager gives the identity (or raises)"
                 continue
             gid = len(self.group)
             self.group[n] = gid
