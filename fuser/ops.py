@@ -167,6 +167,8 @@ def _pow_scalar(a: Args) -> str:
         return known[e]
     if e == 0:
         return f"({x} * 0 + 1)"
+    if not _is_float(a):
+        return f"_pow_int({x}, {x} * 0 + {literal(int(e))})"
     return f"_pow({x}, {literal(float(e))})"
 
 
@@ -246,6 +248,20 @@ def _elu(a: Args) -> str:
     return f"tl.where({x} > 0, {x} * {literal(float(scale))}, {literal(float(alpha * scale))} * {neg})"
 
 
+def _shift(a: Args, left: bool) -> str:
+    """Shifts by a negative amount or by the width or more: 0 to the left, the sign to the right."""
+    x, n, bits = a[0], a[1], a.dtype.itemsize * 8
+    if left:
+        return f"tl.where({n} < 0, 0, tl.where({n} >= {bits}, 0, {x} << tl.where({n} < 0, 0, {n} % {bits})))"
+    return f"({x} >> tl.where({n} < 0, {bits - 1}, tl.where({n} >= {bits}, {bits - 1}, {n})))"
+
+
+def _angle(a: Args) -> str:
+    """The argument of a real number: pi below zero, NaN for NaN, else 0."""
+    x = a[0]
+    return f"tl.where({x} < 0, 3.141592653589793, tl.where({x} != {x}, {x}, {x} * 0.0))"
+
+
 def _polygamma(a: Args) -> str:
     n, x = a.node.args[0], a[1]
     if n == 0:
@@ -280,7 +296,7 @@ POINTWISE = {
     aten.gelu: P(_gelu), aten.erf: P(lambda a: f"tl.erf({a[0]})"),
     aten.erfc: P(lambda a: f"(1.0 - tl.erf({a[0]}))"),
     aten.pow: P(lambda a: _pow_scalar(a) if a.node.target == aten.pow.Tensor_Scalar
-                else f"_pow({a[0]}, {a[1]})"),
+                else f"_pow({a[0]}, {a[1]})" if _is_float(a) else f"_pow_int({a[0]}, {a[1]})"),
     aten.maximum: P(lambda a: f"_maximum({a[0]}, {a[1]})"), aten.minimum: P(lambda a: f"_minimum({a[0]}, {a[1]})"),
     aten.clamp: P(_clamp), aten.clamp_min: P(lambda a: _clamp_literal(a[0], a[1], None)),
     aten.clamp_max: P(lambda a: _clamp_literal(a[0], None, a[1])),
@@ -309,6 +325,10 @@ POINTWISE = {
                                        (aten.special_erfcx, "erfcx"), (aten.special_ndtri, "normcdfinv"),
                                        (aten.special_bessel_j0, "j0"), (aten.special_bessel_j1, "j1"),
                                        (aten.special_bessel_y0, "y0"), (aten.special_bessel_y1, "y1"))},
+    aten.bitwise_left_shift: P(lambda a: _shift(a, True)), aten.bitwise_right_shift: P(lambda a: _shift(a, False)),
+    aten.gcd: P(lambda a: f"_gcd({a[0]}, {a[1]})"),
+    aten.lcm: P(lambda a: f"_lcm({a[0]}, {a[1]})"),
+    aten.angle: P(_angle),
     aten.ldexp: P(lambda a: f"({a[0]} * tl.exp2({a[1]}))"),  # eager: x * 2.0 ** e
     aten.fmax: _fmax_fmin(">"), aten.fmin: _fmax_fmin("<"),
     aten.elu: P(_elu),
@@ -386,6 +406,40 @@ def _pow(a, b):
     r = tl.where(a < 0, tl.where(is_int, tl.where(odd, -r, r), float("nan")), r)
     return tl.where(b == 0, 1.0, r)
 """,
+    "_pow_int": """
+@triton.jit
+def _pow_int(a, b):
+    # integer powers by squaring; a negative exponent gives 1 / a^-b truncated (0 unless a is 1 or -1)
+    r = a * 0 + 1
+    base = a
+    e = tl.where(b < 0, 0, b)
+    for _ in range(0, 64):
+        r = tl.where((e & 1) != 0, r * base, r)
+        base = base * base
+        e = e >> 1
+    odd = (b & 1) != 0
+    neg = tl.where(a == 1, 1, tl.where(a == -1, tl.where(odd, -1, 1), 0))
+    return tl.where(b < 0, neg.to(r.dtype), r)
+""",
+    "_gcd": """
+@triton.jit
+def _gcd(a, b):
+    # Euclid's algorithm, as many steps as the worst case (consecutive Fibonacci numbers) needs
+    x = tl.abs(a)
+    y = tl.abs(b) + x * 0
+    for _ in range(0, 94):
+        nz = y != 0
+        r = x % tl.where(nz, y, 1)
+        x = tl.where(nz, y, x)
+        y = tl.where(nz, r, y)
+    return x
+""",
+    "_lcm": """
+@triton.jit
+def _lcm(a, b):
+    g = _gcd(a, b)
+    return tl.abs(tl.where(g == 0, 0, a // tl.where(g == 0, 1, g) * b))
+""",
     "_maximum": """
 @triton.jit
 def _maximum(a, b):
@@ -430,11 +484,11 @@ def _floordiv_float(a, b):
     "_digamma": """
 @triton.jit
 def _digamma(x):
-    # reflection for x < 0, recurrence up to x >= 10, then the asymptotic series in 1/x^2
-    pi = 3.141592653589793
+    # reflection for x < 0, recurrence up to x >= 10, then the asymptotic series in 1/x^2.
+    # (Float constants stay literals: a float assigned to a name is an fp32 value in Triton.)
     neg = x < 0
     frac = x - tl.where(x < 0, tl.ceil(x), tl.floor(x))
-    refl = pi * tl.cos(pi * frac) / tl.sin(pi * frac)
+    refl = 3.141592653589793 * tl.cos(3.141592653589793 * frac) / tl.sin(3.141592653589793 * frac)
     y = tl.where(neg, 1.0 - x, x)
     acc = y * 0.0
     for _ in tl.static_range(10):
@@ -453,10 +507,9 @@ def _digamma(x):
     "_trigamma": """
 @triton.jit
 def _trigamma(x):
-    pi = 3.141592653589793
     refl = x < 0.5
-    s = tl.sin(pi * x)
-    acc = tl.where(refl, -(pi * pi) / (s * s), 0.0)
+    s = tl.sin(3.141592653589793 * x)
+    acc = tl.where(refl, -9.869604401089358 / (s * s), 0.0)
     y = tl.where(refl, 1.0 - x, x)
     for _ in tl.static_range(6):
         acc = acc + 1.0 / (y * y)
@@ -468,8 +521,8 @@ def _trigamma(x):
     "_zeta": """
 @triton.jit
 def _zeta(x, q):
-    # Hurwitz zeta: nine terms of the sum, then Euler-Maclaurin (Cephes zeta.c)
-    eps = 1.11022302462515654042e-16
+    # Hurwitz zeta: nine terms of the sum, then Euler-Maclaurin (Cephes zeta.c; its 12 correction
+    # terms unrolled below, with their coefficients as literals)
     x, q = q * 0.0 + x, x * 0.0 + q  # both blocks: the interpreter has no & between scalar conditions
     s = _pow(q, -x)
     a = q
@@ -491,22 +544,19 @@ def _zeta(x, q):
     w = a
     s = s + b * w / (x - 1.0) - 0.5 * b
     fa = s * 0.0 + 1.0
-    k = 0.0
+    k = s * 0.0
     done = s != s
-    for i in tl.static_range(12):
-        c = (12.0, -720.0, 30240.0, -1209600.0, 47900160.0, -1.8924375803183791606e9, 7.47242496e10,
-             -2.950130727918164224e12, 1.1646782814350067249e14, -4.5979787224074726105e15,
-             1.8152105401943546773e17, -7.1661652561756670113e18)[i]
-        fa = fa * (x + k)
-        b = b / w
-        t = fa * b / c
-        s = tl.where(done, s, s + t)
-        done = done | (tl.abs(t / s) < eps)
-        k = k + 1.0
-        fa = fa * (x + k)
-        b = b / w
-        k = k + 1.0
-    bad_q = (q <= 0) & (q == tl.floor(q))
+""" + "".join(f"""    fa = fa * (x + k)
+    b = b / w
+    t = fa * b / {c!r}
+    s = tl.where(done, s, s + t)
+    done = done | (tl.abs(t / s) < 1.11022302462515654042e-16)
+    fa = fa * (x + k + 1.0)
+    b = b / w
+    k = k + 2.0
+""" for c in (12.0, -720.0, 30240.0, -1209600.0, 47900160.0, -1.8924375803183791606e9, 7.47242496e10,
+              -2.950130727918164224e12, 1.1646782814350067249e14, -4.5979787224074726105e15,
+              1.8152105401943546773e17, -7.1661652561756670113e18)) + """    bad_q = (q <= 0) & (q == tl.floor(q))
     s = tl.where((q <= 0) & (x != tl.floor(x)), float("nan"), s)
     s = tl.where(bad_q, float("inf"), s)
     s = tl.where(x < 1.0, float("nan"), s)
@@ -543,11 +593,10 @@ def _i1e(x):
 def _k_int(x, ONE: tl.constexpr):
     # exp(x) K_nu(x), nu = 0 or 1, from K_nu(x) = int_0^inf exp(-x cosh t) cosh(nu t) dt by the
     # trapezoid rule (exponentially convergent here): in t for x <= 2, in v = sqrt(2x) sinh(t/2) above
-    h = 0.25
     xs = tl.where(x <= 2.0, x, 2.0)
     acc = xs * 0.0
     for k in range(0, 81):
-        t = xs * 0.0 + k * h  # in x's precision
+        t = xs * 0.0 + k * 0.25  # in x's precision
         ct = 0.5 * (tl.exp(t) + tl.exp(-t))
         f = tl.exp(-xs * (ct - 1.0))
         if ONE:
@@ -556,12 +605,12 @@ def _k_int(x, ONE: tl.constexpr):
     xl = tl.where(x > 2.0, x, 2.0)
     acc2 = xl * 0.0
     for k in range(0, 28):
-        v = xl * 0.0 + k * h
+        v = xl * 0.0 + k * 0.25
         f = tl.exp(-v * v) * 2.0 / tl.sqrt(2.0 * xl + v * v)
         if ONE:
             f = f * (1.0 + v * v / xl)
         acc2 = acc2 + tl.where(k == 0, 0.5, 1.0) * f
-    return h * tl.where(x <= 2.0, acc, acc2)
+    return 0.25 * tl.where(x <= 2.0, acc, acc2)
 """,
     "_k0e": """
 @triton.jit
@@ -599,7 +648,7 @@ def _floordiv_int(a, b):
 
 # codegen emits the helpers a kernel's body names; a helper that calls others carries their source
 for _name, _deps in {"_zeta": ("_pow",), "_i0e": ("_bessel_i_asym",), "_i1e": ("_bessel_i_asym",),
-                     "_k0e": ("_k_int",), "_k1e": ("_k_int",)}.items():
+                     "_k0e": ("_k_int",), "_k1e": ("_k_int",), "_lcm": ("_gcd",)}.items():
     HELPERS[_name] += "".join(HELPERS[d] for d in _deps)
 
 
@@ -744,6 +793,7 @@ OPAQUE = {
     aten.addmm: "matmul: compute-bound, left to cuBLAS",
     aten.baddbmm: "matmul: compute-bound, left to cuBLAS",
     aten.convolution: "convolution: compute-bound, left to cuDNN",
+    aten.convolution_backward: "convolution: compute-bound, left to cuDNN",
     aten.embedding: "embedding: a gather by token id, left to eager",
     aten._scaled_dot_product_flash_attention: "attention already fused by SDPA",
     aten._scaled_dot_product_efficient_attention: "attention already fused by SDPA",
