@@ -146,11 +146,23 @@ class KernelWriter:
 
     # ------------------------------------------------------------------ canonical indices
     def full_index(self) -> tuple:
-        if not self.reduction:
-            return ix.delinearize(X, self.space.full, self.ranges)
+        if not self.reduction:  # x walks the elements in the order the first output is laid out
+            order = self._store_order()
+            walked = ix.delinearize(X, tuple(self.space.full[d] for d in order), self.ranges)
+            return tuple(walked[order.index(d)] for d in range(len(self.space.full)))
         kept = iter(ix.delinearize(X, self.space.kept, self.ranges))
         red = iter(ix.delinearize(R, tuple(self.space.full[d] for d in self.space.reduced), self.ranges))
         return tuple(next(red) if d in self.space.reduced else next(kept) for d in range(len(self.space.full)))
+
+    def _store_order(self) -> list:
+        """Dims from outermost to innermost in the memory order of the first output (its strides,
+        largest first): a channels_last output is walked as NHWC, so its stores (and the loads of
+        inputs laid out alike) are contiguous in x; a contiguous output keeps the logical order."""
+        sig = self.out_sig[self.region.outputs[0]]
+        dims = range(len(self.space.full))
+        if tuple(sig.shape) != tuple(self.space.full):
+            return list(dims)
+        return sorted(dims, key=lambda d: (-sig.stride[d] if sig.shape[d] > 1 else 0, d))
 
     def row_index(self, shp) -> tuple:
         """Index of a per-row value of shape `shp` (keepdim or not) at the current row."""
