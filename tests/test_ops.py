@@ -946,5 +946,5 @@ def test_zero_size_reduction_reason(device):
     fused = fuser.fuse(lambda t: torch.sum(t * 2, 1) + 1)
     fused(x)
     reason = next(u.reason for u in fused.report.unfused if u.op == "aten.sum.dim_IntList")
-    assert "empty" in reason or "nothing" in reason or "zero" in reason, reason
+    assert reason.startswith("a reduction over an empty dim"), reason
     assert any("sum" in u.op for u in fused.report.unfused)
