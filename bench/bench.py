@@ -181,6 +181,24 @@ def _llama_block(quick, device):
     return Case(_on(LlamaBlock(layer), device), (hidden, cos, sin), shape, relnorm=True)
 
 
+def _bn_relu(channels_last):
+    """BatchNorm (eval: a per-channel affine from the running stats) + ReLU, as after every conv."""
+    def build(quick, device):
+        n, c, hw = (4, 16, 14) if quick else (64, 128, 56)
+        bn = nn.BatchNorm2d(c)
+        with torch.no_grad():
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.normal_()
+            bn.bias.normal_()
+        x = _randn((n, c, hw, hw), device)
+        layout = "channels_last" if channels_last else "NCHW"
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        return Case(_on(nn.Sequential(bn, nn.ReLU()), device), (x,), f"{n}×{c}×{hw}×{hw} {layout}")
+    return build
+
+
 ROWS = [
     Row("4-op chain", _chain(Chain4)),
     Row("8-op chain", _chain(Chain8)),
@@ -190,6 +208,8 @@ ROWS = [
     Row("SwiGLU gate", _swiglu),
     Row("cross-entropy", _cross_entropy),
     Row("LlamaDecoderLayer (whole block)", _llama_block),
+    Row("BatchNorm + ReLU, eval, NCHW", _bn_relu(False)),
+    Row("BatchNorm + ReLU, eval, channels_last", _bn_relu(True)),
 ]
 
 
