@@ -13,7 +13,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from .capture import compile_graph, decompositions
+from .capture import compile_graph
+from .decompositions import decompositions
 from .launch import EagerCheckError
 from .report import FusionReport
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import fuser
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fuser.capture import decompositions
+from fuser.decompositions import decompositions
 from fuser.launch import RegionKernel
 from fuser.partition import Partitioner
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fuser.capture import decompositions
+from fuser.decompositions import decompositions
 from fuser.partition import Partitioner
 
 F32 = 4

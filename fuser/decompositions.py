@@ -1,0 +1,81 @@
+"""The decomposition table AOT Autograd lowers with: the ops we fuse become the primitives the op
+table lowers (var_mean, rsqrt, exp, sum and pointwise ops); SDPA and dropout stay whole.
+
+torch's own decompositions where they fit; the few written here say why they are not torch's.
+"""
+from __future__ import annotations
+
+import torch
+from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._prims_common import get_computation_dtype
+
+from . import ops
+
+aten = torch.ops.aten
+
+
+def decompositions() -> dict:
+    table = dict(core_aten_decompositions())
+    # torch's own decompositions of the norms: var_mean, rsqrt and pointwise ops, which we fuse.  All
+    # BatchNorm entry points are listed, since each decomposes through the next (the eval one calls
+    # the mutating `_native_batch_norm_legit`, which must decompose too, functionally in eval); the
+    # backward ones (native_batch_norm_backward, native_group_norm_backward) are core decompositions.
+    # `repeat` (InstanceNorm repeats its affine per sample) becomes expand + reshape: index math.
+    table.update(get_decompositions([
+        aten.native_layer_norm, aten._softmax, aten._log_softmax, aten.repeat,
+        aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
+        aten._native_batch_norm_legit_functional, aten._batch_norm_with_update_functional,
+        aten._batch_norm_no_update]))
+    table[aten.native_group_norm.default] = native_group_norm
+    table[aten.native_group_norm_backward.default] = native_group_norm_backward
+    table[aten.copy.default] = copy
+    for op in ops.KEEP_WHOLE:
+        for overload in op.overloads():
+            table.pop(getattr(op, overload), None)
+    return table
+
+
+def native_group_norm(x, weight, bias, n: int, c: int, hw: int, groups: int, eps: float):
+    """GroupNorm with all its per-element work in the [N, G, C/G, HW] space of its reduction, so the
+    statistics, the normalisation and the affine are one kernel.  Not torch's decomposition: on CPU
+    it folds the affine into per-(N, C) scale and shift through `as_strided`, and on GPU it applies the
+    affine after viewing back to [N, C, ...]; either way the affine leaves the reduction's space."""
+    dtype = get_computation_dtype(x.dtype)
+    rows = x.to(dtype).reshape(n, groups, c // groups, hw)
+    var, mean = torch.var_mean(rows, dim=[2, 3], correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    out = (rows - mean) * rstd
+    if weight is not None:
+        out = out * weight.reshape(1, groups, c // groups, 1)
+    if bias is not None:
+        out = out + bias.reshape(1, groups, c // groups, 1)
+    return out.to(x.dtype).reshape(x.shape), mean.to(x.dtype).reshape(n, groups), rstd.to(x.dtype).reshape(n, groups)
+
+
+def native_group_norm_backward(dy, x, mean, rstd, weight, n: int, c: int, hw: int, groups: int, mask):
+    """GroupNorm's gradient as two kernels: the input's (two sums per group, then the per-element
+    formula) and the affine's (two sums per channel).  Not torch's decomposition: it sums per (N, C)
+    first, then per group, and those reductions over different spaces are six kernels."""
+    dtype = get_computation_dtype(x.dtype)
+    shape = (n, groups, c // groups, hw)
+    dy, rows = dy.to(dtype).reshape(shape), x.to(dtype).reshape(shape)
+    xhat = (rows - mean.to(dtype).reshape(n, groups, 1, 1)) * rstd.to(dtype).reshape(n, groups, 1, 1)
+    dx = dw = db = None
+    if mask[0]:
+        g = dy if weight is None else dy * weight.to(dtype).reshape(1, groups, c // groups, 1)
+        m = shape[2] * shape[3]
+        g_mean = torch.sum(g, dim=[2, 3], keepdim=True) / m
+        gx_mean = torch.sum(g * xhat, dim=[2, 3], keepdim=True) / m
+        dx = ((g - g_mean - xhat * gx_mean) * rstd.to(dtype).reshape(n, groups, 1, 1)).to(x.dtype).reshape(x.shape)
+    out_dtype = (x if weight is None else weight).dtype
+    if mask[1]:
+        dw = torch.sum(dy * xhat, dim=[0, 3]).reshape(c).to(out_dtype)
+    if mask[2]:
+        db = torch.sum(dy, dim=[0, 3]).reshape(c).to(out_dtype)
+    return dx, dw, db
+
+
+def copy(dst, src, non_blocking=False):
+    """Functional `dst.copy_(src)` (InstanceNorm's running-stat update): src cast and broadcast to
+    dst's shape, index math plus a cast.  torch has no decomposition of it (Inductor lowers it)."""
+    return src.to(dtype=dst.dtype, device=dst.device).expand(dst.shape).clone()
