@@ -211,10 +211,6 @@ def _bool(x: str) -> str:
     return f"({x} != 0)"
 
 
-def _in_dtype(a: Args, i: int = 0) -> torch.dtype:
-    return a.node.args[i].meta["val"].dtype
-
-
 def _libdevice(name: str) -> Pointwise:
     """A function CUDA's libdevice has (codegen/interp_math.py stands in for it when interpreted)."""
     return Pointwise(lambda a: f"libdevice.{name}({', '.join(a.rendered)})")
@@ -223,11 +219,13 @@ def _libdevice(name: str) -> Pointwise:
 def _sign(a: Args) -> str:
     """-1, 0 or 1; 0 for NaN (and for -0.0), as eager's (0 < x) - (x < 0)."""
     x = a[0]
-    return f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({x}.dtype)"
+    if a.dtype == torch.bool:
+        return x
+    return f"(({x} > 0).to({x}.dtype) - ({x} < 0).to({x}.dtype))"
 
 
 def _signbit(a: Args) -> str:
-    dt = _in_dtype(a)
+    dt = a.node.args[0].meta["val"].dtype
     if dt == torch.bool:
         return f"({a[0]} & False)"
     if not dt.is_floating_point:
@@ -242,14 +240,15 @@ def _fmax_fmin(cmp: str) -> Pointwise:
 
 
 def _elu(a: Args) -> str:
-    alpha, scale, input_scale = (tuple(a.node.args[1:]) + (1.0, 1.0, 1.0)[len(a.node.args) - 1:])[:3]
+    alpha, scale, input_scale = (*a.node.args[1:], 1.0, 1.0, 1.0)[:3]
     x = a[0]
     neg = f"_expm1({x} * {literal(float(input_scale))})"
     return f"tl.where({x} > 0, {x} * {literal(float(scale))}, {literal(float(alpha * scale))} * {neg})"
 
 
 def _shift(a: Args, left: bool) -> str:
-    """Shifts by a negative amount or by the width or more: 0 to the left, the sign to the right."""
+    """Shifts by a negative amount or by the width or more: 0 to the left, the sign to the right
+    (the amount actually shifted by stays in range: LLVM leaves larger shifts undefined)."""
     x, n, bits = a[0], a[1], a.dtype.itemsize * 8
     if left:
         return f"tl.where({n} < 0, 0, tl.where({n} >= {bits}, 0, {x} << tl.where({n} < 0, 0, {n} % {bits})))"
@@ -276,7 +275,9 @@ POINTWISE = {
     aten.add: P(_add), aten.sub: P(lambda a: f"({a[0]} - {_alpha(a, a[1])})"),
     aten.rsub: P(lambda a: f"({_alpha(a, a[1])} - {a[0]})"),
     aten.mul: P(_mul), aten.div: P(_div_mode, checks=_int_divisor_nonzero), aten.true_divide: P(lambda a: f"({a[0]} / {a[1]})"),
-    aten.neg: P(lambda a: f"(-{a[0]})"), aten.abs: P(lambda a: f"tl.abs({a[0]})"),
+    # Triton's unary minus is 0 - x, which gives +0.0 for 0.0: floats negate by * -1 (IEEE's -0.0)
+    aten.neg: P(lambda a: f"({a[0]} * -1.0)" if _is_float(a) else f"(-{a[0]})"),
+    aten.abs: P(lambda a: f"tl.abs({a[0]})"),
     aten.reciprocal: P(lambda a: f"(1.0 / {a[0]})"),
     aten.sqrt: P(lambda a: f"tl.sqrt({a[0]})"), aten.rsqrt: P(lambda a: f"tl.rsqrt({a[0]})"),
     aten.exp: P(lambda a: f"tl.exp({a[0]})"), aten.exp2: P(lambda a: f"tl.exp2({a[0]})"),
@@ -410,9 +411,9 @@ def _pow(a, b):
 @triton.jit
 def _pow_int(a, b):
     # integer powers by squaring; a negative exponent gives 1 / a^-b truncated (0 unless a is 1 or -1)
-    r = a * 0 + 1
-    base = a
-    e = tl.where(b < 0, 0, b)
+    r = a * 0 + b * 0 + 1  # every loop value a block of the result's shape (a or b may be a scalar)
+    base = a + b * 0
+    e = tl.where(b < 0, 0, b) + a * 0
     for _ in range(0, 64):
         r = tl.where((e & 1) != 0, r * base, r)
         base = base * base
@@ -425,8 +426,8 @@ def _pow_int(a, b):
 @triton.jit
 def _gcd(a, b):
     # Euclid's algorithm, as many steps as the worst case (consecutive Fibonacci numbers) needs
-    x = tl.abs(a)
-    y = tl.abs(b) + x * 0
+    x = tl.abs(a) + b * 0
+    y = tl.abs(b) + a * 0
     for _ in range(0, 94):
         nz = y != 0
         r = x % tl.where(nz, y, 1)

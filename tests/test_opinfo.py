@@ -47,6 +47,11 @@ EAGER_DTYPE = {} if DEVICE != "cpu" else {
     (name, torch.int64): "integer division check on a 0-d divisor: the interpreter rejects a scalar store mask"
     for name in ("div.trunc_rounding", "div.floor_rounding", "fmod", "remainder", "floor_divide", "__rmod__")}
 
+# (entry, dtype) -> tolerance where eager is the less accurate side: on CUDA, eager's fp64 Bessel
+# functions (Cephes) are off by up to ~1e-6 absolute, libdevice's by ~1e-14 (checked against mpmath)
+LOOSER = {} if DEVICE == "cpu" else {
+    (f"special.bessel_{f}", torch.float64): dict(atol=2e-6, rtol=1e-4) for f in ("j0", "j1", "y0", "y1")}
+
 
 def _name(op) -> str:
     return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
@@ -137,7 +142,8 @@ def _all_fused(report) -> bool:
 def _compare(got, want, op, dtype):
     for g, w in zip(got, want, strict=True):
         for gi, wi in zip(*(x if isinstance(x, (tuple, list)) else [x] for x in (g, w)), strict=True):
-            torch.testing.assert_close(gi, wi, equal_nan=True, **_tolerance(op, dtype, wi.dtype))
+            t = LOOSER.get((_name(op), dtype)) or _tolerance(op, dtype, wi.dtype)
+            torch.testing.assert_close(gi, wi, equal_nan=True, **t)
 
 
 @pytest.mark.parametrize("name,dtype", CASES)
