@@ -113,6 +113,8 @@ def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
     if dst == torch.bool:
         return f"({expr} != 0)"
     if dst in (torch.float16, torch.bfloat16):
+        if src == torch.float64:  # eager rounds a double to float first (c10's Half/BFloat16 take a float)
+            expr, src = f"{expr}.to(tl.float32)", torch.float32
         if not src.is_floating_point:  # ints reach 16-bit floats through fp32 (the interpreter would bit-cast)
             expr, src = f"{expr}.to(tl.float32)", torch.float32
         if dst == torch.bfloat16 and src == torch.float32 and interpreting():
@@ -264,11 +266,12 @@ class KernelWriter:
         lanes = ["xmask"] + (["rmask"] if self.reduction and (self.plan.persistent or self.in_loop) else [])
         live = " & ".join(lanes + ([f"({cond})"] if cond else []))
         if not interpreting():
-            self.emit(f'tl.device_assert(~({live}) | {ok}, "fuser: {check.message}")')
+            self.emit(f'tl.device_assert((({live}) == 0) | {ok}, "fuser: {check.message}")')
             self.checks.append(check.message)
             return
-        bad = self.new(f"({live}) & ~{ok}", torch.bool)
-        self.emit(f"tl.store(err_ptr + {len(self.checks)} + {bad}.to(tl.int32) * 0, {bad}.to(tl.int32), mask={bad})")
+        # as int32, compared for the mask: the interpreter holds a bool made with a 0-d operand as int32 data
+        bad = self.new(f"(({live}) & ({ok} == 0)).to(tl.int32)", torch.int32)
+        self.emit(f"tl.store(err_ptr + {len(self.checks)} + {bad} * 0, {bad}, mask={bad} != 0)")
         self.checks.append(check.message)
 
     def _layout(self, n, kind, idx, cond) -> str:

@@ -40,13 +40,6 @@ EAGER = {
                      ("laguerre", "l"), ("legendre", "p")) for k in ks},
 }
 
-# (entry, dtype) -> why it stays eager on this device: integer division checks (eager raises on a
-# zero divisor on CPU) on a 0-d divisor fail in the interpreter ("mask has unsupported dtype": the
-# check's flag store in codegen/kernel.py takes a scalar mask), so the graph runs as given
-EAGER_DTYPE = {} if DEVICE != "cpu" else {
-    (name, torch.int64): "integer division check on a 0-d divisor: the interpreter rejects a scalar store mask"
-    for name in ("div.trunc_rounding", "div.floor_rounding", "fmod", "remainder", "floor_divide", "__rmod__")}
-
 # (entry, dtype) -> tolerance where eager is the less accurate side: on CUDA, eager's fp64 Bessel
 # functions (Cephes) are off by up to ~1e-6 absolute, libdevice's by ~1e-14 (checked against mpmath)
 LOOSER = {} if DEVICE == "cpu" else {
@@ -61,11 +54,7 @@ REAL = set(DTYPES) | {torch.float16, torch.int32}
 ENTRIES = {_name(op): op for op in op_db
            if isinstance(op, (UnaryUfuncInfo, BinaryUfuncInfo)) and not op.name.startswith("jiterator")
            and op.supported_dtypes("cpu") & REAL}
-# (entry, dtype) -> a wrong result fuser gives today, not in this file's code (strict: fixing it fails here)
-WRONG = {} if DEVICE != "cpu" else {
-    ("bfloat16", torch.float64): "codegen/kernel.py convert(): fp64 -> bf16 in the interpreter gives NaN"}
-CASES = [pytest.param(name, dt, id=f"{name}-{str(dt)[6:]}",
-                      marks=[pytest.mark.xfail(strict=True, reason=WRONG[name, dt])] if (name, dt) in WRONG else [])
+CASES = [pytest.param(name, dt, id=f"{name}-{str(dt)[6:]}")
          for name, op in ENTRIES.items() for dt in DTYPES if dt in op.supported_dtypes(DEVICE)]
 
 
@@ -156,8 +145,8 @@ def test_opinfo(name, dtype):
     fused = fuser.fuse(fn)
     got, want = fused(*tensors), fn(*tensors)
     _compare(got, want, op, dtype)
-    if name in EAGER or (name, dtype) in EAGER_DTYPE:
-        assert not _all_fused(fused.report), f"{name} is on EAGER ({EAGER.get(name) or EAGER_DTYPE[name, dtype]}) but fused: take it off"
+    if name in EAGER:
+        assert not _all_fused(fused.report), f"{name} is on EAGER ({EAGER[name]}) but fused: take it off"
     else:
         assert _all_fused(fused.report), f"{name} ({dtype}) is not fused:\n{fused.report}"
 
