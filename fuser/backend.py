@@ -10,6 +10,7 @@ import threading
 import traceback
 
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import RestartAnalysis, SkipFrame
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -107,6 +108,8 @@ def make_backend(sink=None, options: dict | None = None):
     def backend(gm, example_inputs):
         try:
             return aot(gm, example_inputs)
+        except (RestartAnalysis, SkipFrame):
+            raise  # Dynamo's own control flow (e.g. a 0-d float input made a SymFloat): not a failure
         except Exception as e:  # AOT Autograd or a decomposition failed on this graph: Dynamo's graph runs as is
             report = FusionReport(graph=len(_reports))
             _fall_back(report, "while capturing (AOT Autograd)", e)

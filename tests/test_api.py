@@ -217,3 +217,15 @@ def test_options(device):
     q = k = v = torch.randn(1, 2, 9, 8, device=device)
     kinds = [r.kind for r in fuser.fuse(attn, example_inputs=(q, k, v), attention=False).report.regions]
     assert "attention" not in kinds and "reduction" in kinds
+
+
+def test_zero_dim_float64_input_is_fused_not_a_fallback(device):
+    """A 0-d float64 tensor makes Dynamo restart its analysis from inside the backend (a control-flow
+    exception): the backend lets it through instead of taking it for a failure."""
+    def fn(x, s):
+        return torch.exp(x * s) + s
+
+    x, s = torch.randn(7, 9, device=device, dtype=torch.float64), torch.tensor(0.3, dtype=torch.float64, device=device)
+    fused = fuser.fuse(fn)
+    torch.testing.assert_close(fused(x, s), fn(x, s))
+    assert not fused.report.fallbacks and fused.report.regions, fused.report

@@ -90,8 +90,6 @@ def _samples(op, dtype) -> list:
         leaves, _ = tree_flatten((s.input, s.args, s.kwargs))
         if not isinstance(s.input, torch.Tensor) or not all(_real(v) for v in leaves):
             continue
-        if dtype == torch.float64 and any(isinstance(v, torch.Tensor) and v.dim() == 0 for v in leaves):
-            continue  # a 0-d fp64 input: fuser's backend swallows Dynamo's TensorifyScalarRestartAnalysis
         try:
             op.op(s.input, *s.args, **s.kwargs)
         except Exception:
