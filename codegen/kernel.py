@@ -551,7 +551,7 @@ class KernelWriter:
         params = [self.ptr[n] for n in self.region.inputs] + [self.ptr[n] for n in self.region.outputs]
         params += ["err_ptr"] if self.checks and interpreting() else []
         params += ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.reduction else [])
-        used = [src for name, src in ops.HELPERS.items() if re.search(rf"\b{name}\(|\b{name}\)", body)]
+        used = ops.helpers_for(body)
         header = self._header()
         helpers = "".join(used)
         jit = "@triton.jit(debug=True)  # device-side asserts on" if self.checks and not interpreting() else "@triton.jit"

@@ -6,7 +6,6 @@ as it does in pointwise kernels.
 """
 from __future__ import annotations
 
-import re
 
 import torch
 
@@ -38,7 +37,7 @@ def score_mod(scores, chain: list, extras: list, cg, causal_offset: int | None =
         last = f"{last}.to(tl.float32)"
     lines.append(f"s = {last}")
     text = "\n".join(lines)
-    used = tuple(src for name, src in ops.HELPERS.items() if re.search(rf"\b{name}\(", text))
+    used = tuple(ops.helpers_for(text))
     return ScoreMod(tuple(lines), n_extra=len(extras), helpers=used, causal=causal_offset is not None,
                     causal_offset=causal_offset or 0)
 

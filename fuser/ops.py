@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -647,10 +648,22 @@ def _floordiv_int(a, b):
 """,
 }
 
-# codegen emits the helpers a kernel's body names; a helper that calls others carries their source
-for _name, _deps in {"_zeta": ("_pow",), "_i0e": ("_bessel_i_asym",), "_i1e": ("_bessel_i_asym",),
-                     "_k0e": ("_k_int",), "_k1e": ("_k_int",), "_lcm": ("_gcd",)}.items():
-    HELPERS[_name] += "".join(HELPERS[d] for d in _deps)
+
+
+def helpers_for(source: str) -> list[str]:
+    """Sources of the helpers `source` calls, and of the helpers they call, each once, callees first."""
+    found: dict[str, str] = {}
+
+    def visit(text):
+        for name, src in HELPERS.items():
+            if name not in found and re.search(rf"\b{name}\(|\b{name}\)", text):
+                found[name] = ""  # mark before recursing: no cycles
+                visit(src)
+                found.pop(name)
+                found[name] = src
+
+    visit(source)
+    return list(found.values())
 
 
 # ----------------------------------------------------------------------------- layout
