@@ -20,6 +20,21 @@ class _Function(torch.nn.Module):
         return self.fn(*args, **kwargs)
 
 
+class _DynamoGaveUp(logging.Filter):
+    """Keeps the warning Dynamo logs when it gives up on a function (its recompile limit): from
+    then on it runs that function eagerly for inputs it has no graph for, and says nothing more."""
+
+    last: str | None = None
+
+    def filter(self, record):
+        if str(record.msg).startswith("torch._dynamo hit config."):
+            _DynamoGaveUp.last = record.getMessage().splitlines()[0]
+        return True
+
+
+logging.getLogger("torch._dynamo.convert_frame").addFilter(_DynamoGaveUp())
+
+
 class FusedModule(torch.nn.Module):
     """Runs `model` through Dynamo with the fuser backend; recaptures for new shapes or dtypes."""
 
@@ -27,12 +42,15 @@ class FusedModule(torch.nn.Module):
         super().__init__()
         self.model = model
         self._graph_reports: list[FusionReport] = []
-        self._latest: list[FusionReport] = []
+        self._latest: list[FusionReport] = []  # the graphs that ran since the latest call began
+        self._warned: set[str] = set()
+        self._gave_up: str | None = None  # Dynamo's reason, once it gives up on the model's frame
         self.graph_modules: list[torch.fx.GraphModule] = []  # the rewritten graphs, in capture order
         self._seen_devices: frozenset | None = None
         target = model.fn if isinstance(model, _Function) else model  # a function compiles without module layers
         backend.validate(options)  # bad options fail here, not at the first call
-        compiled = torch.compile(target, backend=backend.make_backend(self._captured, options), dynamic=False)
+        compiled = torch.compile(target, backend=backend.make_backend(self._captured, options, self._latest.append),
+                                 dynamic=False)
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second copy of the weights
 
     def forward(self, *args, **kwargs):
@@ -40,20 +58,28 @@ class FusedModule(torch.nn.Module):
         if devices != self._seen_devices:  # weights are checked when the inputs' devices change
             _check_devices(self.model, devices)
             self._seen_devices = devices
-        before = len(self._graph_reports)
+        self._latest.clear()  # in place: the backend's runners append to this list
+        _DynamoGaveUp.last = None
         try:
             out = self._compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchRuntimeError as e:
             # Dynamo met an error running the program on fake tensors: run it for real, so that a
             # wrong program raises eager's own error (IndexError, ...); if eager runs, Dynamo failed.
             out = self.model(*args, **kwargs)
-            log.warning("fuser: Dynamo could not trace %s, this call ran eagerly: %s",
-                        type(self.model).__name__, str(e).splitlines()[0])
-            self._latest = [FusionReport(fallback=f"Dynamo could not trace the model: {str(e).splitlines()[0]}")]
+            self._ran_eagerly(f"Dynamo could not trace the model: {str(e).splitlines()[0]}")
             return out
-        if len(self._graph_reports) > before:
-            self._latest = self._graph_reports[before:]
+        if not self._latest:
+            if _DynamoGaveUp.last:
+                self._gave_up = _DynamoGaveUp.last
+            self._ran_eagerly(self._gave_up or "Dynamo ran this call without a graph (nothing fused ran)")
         return out
+
+    def _ran_eagerly(self, reason: str):
+        """No fused graph ran in this call: say so, in the report and (once per reason) in the log."""
+        self._latest.append(FusionReport(fallbacks=[f"this call ran eagerly: {reason}"]))
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("fuser: a call of %s ran eagerly: %s", type(self.model).__name__, reason)
 
     def _captured(self, report: FusionReport, gm: torch.fx.GraphModule):
         self._graph_reports.append(report)
@@ -61,7 +87,7 @@ class FusedModule(torch.nn.Module):
 
     @property
     def report(self) -> FusionReport:
-        """The report of the graphs captured for the latest new input signature."""
+        """The report of the graphs that ran in the latest call (and in the backward after it)."""
         return FusionReport.merge(self._latest)
 
     @property

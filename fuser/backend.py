@@ -64,10 +64,14 @@ class GraphRunner:
     error is the user's and propagates; else fuser's failure is recorded and every later call runs
     the given graph."""
 
-    def __init__(self, fused, given, report: FusionReport):
-        self.fused, self.given, self.report = fused, given, report
+    def __init__(self, fused, given, report: FusionReport, ran=None):
+        self.fused, self.given, self.report, self.ran = fused, given, report, ran
 
     def __call__(self, *args):
+        if self.ran is not None:  # fuse() reports the graphs that ran in its latest call
+            self.ran(self.report)
+        if self.fused is self.given:
+            return self.given(*args)
         try:
             return self.fused(*args)
         except EagerCheckError:
@@ -79,8 +83,9 @@ class GraphRunner:
             return out
 
 
-def make_backend(sink=None, options: dict | None = None):
-    """A Dynamo backend that fuses each graph it is given: forward (or inference) and backward."""
+def make_backend(sink=None, options: dict | None = None, ran=None):
+    """A Dynamo backend that fuses each graph it is given: forward (or inference) and backward.
+    `sink(report, gm)` hears of each graph compiled, `ran(report)` of each graph run."""
     opts = validate(options)
 
     def compiler(backward: bool):
@@ -97,8 +102,7 @@ def make_backend(sink=None, options: dict | None = None):
             record(report)
             if sink is not None:
                 sink(report, new)
-            run = GraphRunner(new.forward, gm.forward, report) if new is not gm else gm.forward
-            return make_boxed_func(run)
+            return make_boxed_func(GraphRunner(new.forward, gm.forward, report, ran))
         return compile_
 
     # min-cut: the forward saves what is cheapest by bytes and recomputes cheap pointwise work instead
@@ -116,7 +120,7 @@ def make_backend(sink=None, options: dict | None = None):
             record(report)
             if sink is not None:
                 sink(report, gm)
-            return gm.forward
+            return GraphRunner(gm.forward, gm.forward, report, ran)
     return backend
 
 

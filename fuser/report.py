@@ -96,7 +96,7 @@ class FusionReport:
             for reason, ops in reasons.items():
                 names = ", ".join(f"{o} x{ops.count(o)}" if ops.count(o) > 1 else o for o in dict.fromkeys(ops))
                 lines.append(f"  {names}: {reason}")
-        lines += [f"left to eager as a whole (fuser failed; the graph runs as given): {f}" for f in self.all_fallbacks]
+        lines += [f"left to eager as a whole: {f}" for f in self.all_fallbacks]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -229,3 +229,30 @@ def test_zero_dim_float64_input_is_fused_not_a_fallback(device):
     fused = fuser.fuse(fn)
     torch.testing.assert_close(fused(x, s), fn(x, s))
     assert not fused.report.fallbacks and fused.report.regions, fused.report
+
+
+def test_report_is_the_latest_call_and_dynamo_giving_up_is_said(device, caplog):
+    """fused.report holds the graphs that ran in the latest call; when Dynamo stops compiling (its
+    recompile limit), the calls it runs eagerly say so in the report and, once, at WARNING."""
+    fused = fuser.fuse(lambda x: torch.exp(x) * 2 + 1)
+    limit = torch._dynamo.config.recompile_limit
+    with caplog.at_level("WARNING", logger="fuser"):
+        for n in range(3, 3 + limit + 2):
+            x = torch.randn(2, n, device=device)
+            torch.testing.assert_close(fused(x), torch.exp(x) * 2 + 1)
+            if n < 3 + limit:
+                assert fused.report.regions and not fused.report.fallbacks
+                assert fused.report.regions[0].output_shapes == [f"[2, {n}] float32"]
+        assert not fused.report.regions
+        assert "recompile_limit" in fused.report.fallbacks[0] and "ran eagerly" in str(fused.report)
+        assert caplog.text.count("ran eagerly") == 1
+        fused(torch.randn(2, 3, device=device))  # a shape it has a graph for: fused again
+    assert fused.report.regions and not fused.report.fallbacks
+
+
+def test_report_after_backward_has_both_graphs(device):
+    model = torch.nn.Sequential(torch.nn.Linear(9, 9), torch.nn.LayerNorm(9), torch.nn.GELU()).to(device)
+    fused = fuser.fuse(model)
+    fused(torch.randn(5, 9, device=device)).pow(2).sum().backward()
+    assert any("backward" in note for note in fused.report.notes), fused.report
+    assert len(fused.report.code) == 2  # the forward and the backward graph, as they ran
