@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 
@@ -49,8 +50,8 @@ class FusedModule(torch.nn.Module):
         self._seen_devices: frozenset | None = None
         target = model.fn if isinstance(model, _Function) else model  # a function compiles without module layers
         backend.validate(options)  # bad options fail here, not at the first call
-        compiled = torch.compile(target, backend=backend.make_backend(self._captured, options, self._latest.append),
-                                 dynamic=False)
+        compiled = torch.compile(_own_entry(target), dynamic=False,
+                                 backend=backend.make_backend(self._captured, options, self._latest.append))
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second copy of the weights
 
     def forward(self, *args, **kwargs):
@@ -99,6 +100,17 @@ class FusedModule(torch.nn.Module):
     def code(self) -> str:
         """The rewritten graphs as Python: each fused region is one `self.fused_<i>(...)` call."""
         return "\n".join(self.report.code)
+
+
+def _own_entry(target):
+    """`target` called through a function whose code object is this FusedModule's own.  Dynamo keeps
+    its compiled graphs, and counts them against its recompile limit, per code object: compiling the
+    model's forward itself, every fuse() of one class (a notebook re-run, a sweep) would add to one
+    count with a backend of its own, and the ninth would silently run eagerly."""
+    def entry(*args, **kwargs):
+        return target(*args, **kwargs)
+    code = entry.__code__.replace()  # a new code object, equal to the shared one
+    return types.FunctionType(code, entry.__globals__, "fused_entry", None, entry.__closure__)
 
 
 def _devices(args, kwargs) -> frozenset:

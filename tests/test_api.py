@@ -256,3 +256,17 @@ def test_report_after_backward_has_both_graphs(device):
     fused(torch.randn(5, 9, device=device)).pow(2).sum().backward()
     assert any("backward" in note for note in fused.report.notes), fused.report
     assert len(fused.report.code) == 2  # the forward and the backward graph, as they ran
+
+
+def test_separate_fuse_calls_do_not_starve_each_other(device):
+    """One class fused more times than Dynamo's recompile limit (a notebook re-run, a sweep): every
+    FusedModule compiles through a code object of its own, so each one's graphs are fused."""
+    class Chain(torch.nn.Module):
+        def forward(self, a, b):
+            return chain(a, b)
+
+    a, b = torch.randn(7, 9, device=device), torch.randn(9, device=device)
+    for _ in range(torch._dynamo.config.recompile_limit + 2):
+        fused = fuser.fuse(Chain())
+        torch.testing.assert_close(fused(a, b), chain(a, b), **TOL)
+        assert fused.report.regions and not fused.report.fallbacks, fused.report
