@@ -87,6 +87,15 @@ def test_mixed_devices_is_a_clear_error():
         fused(torch.randn(2, 4, device="meta"))
 
 
+def _fused_chain_checked(caplog):
+    """fuse(chain), called once under caplog at WARNING; its output checked against eager."""
+    fused = fuser.fuse(chain)
+    a, b = torch.randn(7, 9), torch.randn(9)
+    with caplog.at_level("WARNING", logger="fuser"):
+        torch.testing.assert_close(fused(a, b), chain(a, b), **TOL)
+    return fused
+
+
 def test_pipeline_failure_falls_back_with_the_reason(monkeypatch, caplog):
     """A failure inside fuser for one graph runs that graph as given, says why (WARNING on the
     `fuser` logger and in the report), and never reaches the user as a crash."""
@@ -96,10 +105,7 @@ def test_pipeline_failure_falls_back_with_the_reason(monkeypatch, caplog):
         raise ValueError("synthetic failure")
 
     monkeypatch.setattr(backend, "compile_graph", broken)
-    fused = fuser.fuse(chain)
-    a, b = torch.randn(7, 9), torch.randn(9)
-    with caplog.at_level("WARNING", logger="fuser"):
-        torch.testing.assert_close(fused(a, b), chain(a, b), **TOL)
+    fused = _fused_chain_checked(caplog)
     assert "ValueError: synthetic failure" in caplog.text
     assert fused.report.fallbacks and "while compiling: ValueError: synthetic failure" in fused.report.fallbacks[0]
     assert "left to eager as a whole" in str(fused.report) and not fused.report.regions
@@ -115,10 +121,7 @@ def test_capture_failure_falls_back(monkeypatch, caplog):
         return fail
 
     monkeypatch.setattr(backend, "aot_autograd", broken_aot)
-    fused = fuser.fuse(chain)
-    a, b = torch.randn(7, 9), torch.randn(9)
-    with caplog.at_level("WARNING", logger="fuser"):
-        torch.testing.assert_close(fused(a, b), chain(a, b), **TOL)
+    fused = _fused_chain_checked(caplog)
     assert "synthetic AOT failure" in caplog.text
     assert "while capturing (AOT Autograd): RuntimeError: synthetic AOT failure" in fused.report.fallbacks[0]
 
