@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import triton
 
-from fuser.region import Region
+from fuser.region import persistent_at
 
 
 @dataclass(frozen=True)
@@ -21,15 +21,16 @@ class BlockPlan:
     persistent: bool   # the whole row in registers (reductions), else a loop over R
 
 
-def block_plan(region: Region, device_type: str) -> BlockPlan:
-    space = region.space
+def block_plan(rows: int, r: int | None, device_type: str) -> BlockPlan:
+    """The launch config for `rows` rows (elements, for pointwise kernels: r None) of `r` reduced
+    elements each, at the sizes of one call (kernels over symbolic sizes plan per call)."""
     cpu = device_type == "cpu"
-    if not space.is_reduction:
-        n = max(space.rows, 1)
+    if r is None:
+        n = max(rows, 1)
         xblock = min(triton.next_power_of_2(n), 8192 if cpu else 1024)
         return BlockPlan(xblock, 1, 4, triton.cdiv(n, xblock), True)
-    rows, r = max(space.rows, 1), max(space.r, 1)
-    if space.persistent:
+    rows, r = max(rows, 1), max(r, 1)
+    if persistent_at(r):
         rblock = triton.next_power_of_2(r)
         budget = 16384 if cpu else 4096  # elements per program
         xblock = min(triton.next_power_of_2(rows), max(1, budget // rblock))

@@ -135,30 +135,37 @@ _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() el
 
 
 class Launcher:
-    """Launches one kernel on its grid.  On CUDA, after Triton's JIT has compiled it, later launches
-    call the compiled kernel directly, skipping the JIT's per-call argument binding (about 15 us of
-    host time, which small kernels wait on).  The JIT specialises our kernels only on pointer
-    alignment, so a call whose alignment differs goes back through the JIT.  On CPU the kernel runs
-    through the interpreter."""
+    """Launches one kernel with one launch config.  On CUDA, after Triton's JIT has compiled it, later
+    launches call the compiled kernel directly, skipping the JIT's per-call argument binding (about
+    15 us of host time, which small kernels wait on).  The JIT specialises a kernel on its arguments'
+    pointer alignment and on its int arguments (== 1, divisible by 16, 32 or 64 bits): a call that
+    differs in those goes back through the JIT once, and its compiled kernel is kept beside the
+    others.  On CPU the kernel runs through the interpreter."""
 
-    def __init__(self, fn, grid: int, meta: dict, device_type: str):
-        self.fn, self.grid, self.meta = fn, grid, meta
+    def __init__(self, fn, meta: dict, device_type: str):
+        self.fn, self.meta = fn, meta
         self.interpreted = interpreted(device_type)
         self.constexprs = tuple(v for k, v in meta.items() if k != "num_warps")  # in parameter order
-        self.compiled = None
-        self.aligned = None
+        self.compiled: dict = {}
 
-    def __call__(self, *args):
+    def __call__(self, grid: int, *args):
         if self.interpreted:
-            run_interpreted(self.fn, (self.grid,), *args, **self.meta)
+            run_interpreted(self.fn, (grid,), *args, **self.meta)
             return
-        compiled = self.compiled
+        key = tuple([_spec(a) for a in args])
+        compiled = self.compiled.get(key)
         if compiled is not None and knobs.runtime.launch_enter_hook is None:
-            if tuple([a.data_ptr() % 16 == 0 for a in args]) == self.aligned:
-                stream = _raw_stream(args[-1].get_device())
-                compiled.run(self.grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
-                             None, None, None, *args, *self.constexprs)
-                return
-        compiled = self.fn[(self.grid,)](*args, **self.meta)
-        if self.compiled is None and hasattr(compiled, "packed_metadata"):
-            self.compiled, self.aligned = compiled, tuple(a.data_ptr() % 16 == 0 for a in args)
+            stream = _raw_stream(torch.cuda.current_device())
+            compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
+                         None, None, None, *args, *self.constexprs)
+            return
+        compiled = self.fn[(grid,)](*args, **self.meta)
+        if hasattr(compiled, "packed_metadata"):
+            self.compiled[key] = compiled
+
+
+def _spec(a):
+    """What Triton's JIT specialises an argument on."""
+    if isinstance(a, int):
+        return (a == 1, a % 16 == 0, -2**31 <= a < 2**31)
+    return a.data_ptr() % 16 == 0

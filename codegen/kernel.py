@@ -17,10 +17,9 @@ import torch
 
 from fuser import indexing as ix
 from fuser import ops
-from fuser.graph import is_generator, meta, shape
+from fuser.graph import is_generator, is_size, meta, shape
 from fuser.region import PERSISTENT_MAX_R, Region
 
-from .blocks import BlockPlan, block_plan
 from .compile import interpreting, math_import, target
 
 X = sympy.Symbol("x", integer=True, nonnegative=True)
@@ -33,12 +32,17 @@ class CodegenError(Exception):
 
 @dataclass(frozen=True)
 class TensorSig:
+    """Shape and strides: ints, or sympy expressions in the graph's size symbols (and, for an input
+    of a generic-strides variant, in symbols naming its strides, passed at launch)."""
     shape: tuple
     stride: tuple
     dtype: torch.dtype
 
     @staticmethod
     def of(t: torch.Tensor) -> "TensorSig":
+        """A real tensor's signature in ints; a fake one's in expressions."""
+        if any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride())):
+            return TensorSig(ix.shape_of(t), ix.stride_of(t), t.dtype)
         return TensorSig(tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
@@ -46,10 +50,8 @@ class TensorSig:
 class KernelSource:
     name: str
     source: str
-    plan: BlockPlan
-    grid: int
+    params: tuple  # the size symbols the kernel takes after its pointers, in order
     checks: tuple = ()  # messages of the flags an interpreted kernel raises on (see `_check`)
-    launcher: object = None  # a compile.Launcher, made at the first launch
 
 
 def _minmax(combine: str, v: str) -> str:
@@ -65,6 +67,7 @@ def _promote(args) -> torch.dtype:
     for t in tensors[1:]:
         dt = torch.promote_types(dt, t)
     scalars = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    scalars += [0 for a in args if is_size(a)]  # a symbolic int
     if any(isinstance(s, float) for s in scalars) and not dt.is_floating_point:
         dt = torch.get_default_dtype()
     elif scalars and dt == torch.bool:
@@ -83,6 +86,8 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
     for pos, a in enumerate(n.args):
         if isinstance(a, torch.fx.Node) and is_generator(n):
             rendered.append(None)  # full_like reads its operand's shape, which the kernel already has
+        elif is_size(a):
+            rendered.append(ops.literal(a))
         elif isinstance(a, torch.fx.Node) and meta(a) is not None:
             v = operand(a)
             keep = kind.cast or (meta(a).dtype == torch.bool and pos in kind.bool_args)
@@ -125,14 +130,18 @@ def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
 
 
 class KernelWriter:
-    def __init__(self, region: Region, inputs: list, outputs: list, device_type: str, name: str):
+    def __init__(self, region: Region, inputs: list, outputs: list, device_type: str, name: str,
+                 persistent: bool, wide: bool, cost):
         self.region, self.cg, self.space = region, region.cg, region.space
         self.in_sig = dict(zip(region.inputs, inputs))
         self.out_sig = dict(zip(region.outputs, outputs))
-        self.plan = block_plan(region, device_type)
+        self.persistent, self.wide, self.cost = persistent, wide, cost
         self.name = name
         self.reduction = self.space.is_reduction
-        self.ranges = {X: max(self.space.rows, 1), R: max(self.space.r, 1)}
+        self.sizes = self.cg.sizes
+        rows, r = self.space.rows, self.space.r
+        self.ranges = ix.Ranges({X: max(rows, 1) if rows.is_Integer else rows,
+                                 R: max(r, 1) if r.is_Integer else r}, self.sizes)
         self.lines: list[str] = []
         self.depth = 1
         self.scopes: list[dict] = [{}]
@@ -164,7 +173,8 @@ class KernelWriter:
         dims = range(len(self.space.full))
         if tuple(sig.shape) != tuple(self.space.full):
             return list(dims)
-        return sorted(dims, key=lambda d: (-sig.stride[d] if sig.shape[d] > 1 else 0, d))
+        hint = self.sizes.hint  # the order only decides which accesses are contiguous, never the addresses
+        return sorted(dims, key=lambda d: (-hint(sig.stride[d]) if hint(sig.shape[d]) > 1 else 0, d))
 
     def row_index(self, shp) -> tuple:
         """Index of a per-row value of shape `shp` (keepdim or not) at the current row."""
@@ -249,7 +259,7 @@ class KernelWriter:
         size = shape(src)[dim]
         sym = sympy.Symbol(f"g{len(self.aliases)}", integer=True, nonnegative=True)
         self.aliases[sym], self.ranges[sym] = sympy.Symbol(iv), size
-        valid = f"({iv} >= 0) & ({iv} < {size})"
+        valid = f"({iv} >= 0) & ({iv} < {ix.texpr(size)})"
         self._check(ops.Check(valid, f"gather: index out of bounds for dimension {dim} with size {size}"), cond)
         src_idx = tuple(sym if d == dim else i for d, i in enumerate(idx))
         v = self.value(src, src_idx, f"({cond}) & {valid}" if cond else valid)
@@ -263,7 +273,7 @@ class KernelWriter:
         if self.device_type not in check.devices:
             return
         ok = f"({check.cond})"
-        lanes = ["xmask"] + (["rmask"] if self.reduction and (self.plan.persistent or self.in_loop) else [])
+        lanes = ["xmask"] + (["rmask"] if self.reduction and (self.persistent or self.in_loop) else [])
         live = " & ".join(lanes + ([f"({cond})"] if cond else []))
         if not interpreting():
             self.emit(f'tl.device_assert((({live}) == 0) | {ok}, "fuser: {check.message}")')
@@ -287,7 +297,8 @@ class KernelWriter:
             if bounds is not None and not isinstance(bounds[0], tuple):
                 bounds = (bounds,)
             here = None if bounds is None else " & ".join(
-                f"(({self.print_index(idx[d])}) >= {lo}) & (({self.print_index(idx[d])}) < {hi})" for lo, hi, d in bounds)
+                f"(({self.print_index(idx[d])}) >= {ix.texpr(lo)}) & (({self.print_index(idx[d])}) < {ix.texpr(hi)})"
+                for lo, hi, d in bounds)
             sub_cond = cond if here is None else (f"({cond}) & {here}" if cond else here)
             v = self.value(src, self._alias_bounded(src_idx, bounds), sub_cond)
             v = convert(v, self.dtypes[v], cdt)
@@ -342,7 +353,7 @@ class KernelWriter:
             raise CodegenError(f"{n.name}: a reduction result is read at another row's index")
         key = (n, component)
         if key not in self.reduced:
-            if not self.space.persistent:
+            if not self.persistent:
                 raise CodegenError(f"{n.name}: reduction needed before its loop")
             self._emit_reduction(n)
         return self.reduced[key]
@@ -370,10 +381,10 @@ class KernelWriter:
             v = convert(v, self.dtypes[v], acc_dt)
             s = self.new(f"tl.sum(tl.where(rmask, {v}, 0), 1)[:, None]", acc_dt)
             if combine == "sum":
-                scale = f" / {self.space.r}.0" if self.cg.info[n].mean else ""
+                scale = f" / {self._float(self.space.r)}" if self.cg.info[n].mean else ""
                 self.reduced[(n, 0)] = self.new(f"{s}{scale}", out_dt) if scale else s
                 return
-            mean = self.new(f"{s} / {self.space.r}.0", acc_dt)
+            mean = self.new(f"{s} / {self._float(self.space.r)}", acc_dt)
             dev = self.new(f"tl.where(rmask, {v} - {mean}, 0)", acc_dt)
             self._finish_var(n, self.new(f"tl.sum({dev} * {dev}, 1)[:, None]", acc_dt), mean, acc_dt)
             return
@@ -402,18 +413,22 @@ class KernelWriter:
     def _finish_var(self, n, sq, mean, acc_dt):
         correction = n.kwargs.get("correction", 1)
         correction = 1 if correction is None else correction
-        denom = max(self.space.r - correction, 0)
-        var = self.new(f"{sq} / {float(denom)!r}" if denom else f"{sq} / 0.0", acc_dt)
+        denom = self.space.r - correction
+        if denom.is_Integer:
+            text = repr(float(max(int(denom), 0)))
+        else:
+            text = f"({ix.texpr(denom)})" if self.sizes.nonneg(denom) else f"tl.maximum({ix.texpr(denom)}, 0)"
+        var = self.new(f"{sq} / {text}", acc_dt)
         self.reduced[(n, 0)] = var
         self.reduced[(n, 1)] = mean
 
     # ------------------------------------------------------------------ looped reductions
     def _loop(self, body):
-        self.emit(f"for roffset in range(0, {self.space.r}, RBLOCK):")
+        self.emit(f"for roffset in range(0, {ix.texpr(self.space.r)}, RBLOCK):")
         self.depth += 1
         self.scopes.append({})
         self.emit("r = roffset + tl.arange(0, RBLOCK)[None, :]")
-        self.emit(f"rmask = r < {self.space.r}")
+        self.emit(f"rmask = r < {ix.texpr(self.space.r)}")
         self.in_loop = True
         body()
         self.in_loop = False
@@ -474,7 +489,7 @@ class KernelWriter:
                 out_dt = ops.compute_dtype(self._out_dtype(n))
                 if part == "mean":
                     s = self.new(f"tl.sum({acc}, 1)[:, None]", dt)
-                    self.reduced[(n, 1)] = self.new(f"{s} / {self.space.r}.0", dt)
+                    self.reduced[(n, 1)] = self.new(f"{s} / {self._float(self.space.r)}", dt)
                 elif combine == "var":
                     self._finish_var(n, self.new(f"tl.sum({acc}, 1)[:, None]", dt), self.reduced[(n, 1)], dt)
                 elif n in online.values():  # already scaled to the final max
@@ -483,7 +498,7 @@ class KernelWriter:
                 elif combine == "sum":
                     s = self.new(f"tl.sum({acc}, 1)[:, None]", dt)
                     mean = self.cg.info[n].mean
-                    self.reduced[(n, 0)] = self.new(f"{s} / {self.space.r}.0", out_dt) if mean else s
+                    self.reduced[(n, 0)] = self.new(f"{s} / {self._float(self.space.r)}", out_dt) if mean else s
                 elif combine in ("max", "min"):
                     red = _minmax(combine, acc) if dt.is_floating_point else \
                         f"{'tl.max' if combine == 'max' else 'tl.min'}({acc}, 1)[:, None]"
@@ -514,28 +529,34 @@ class KernelWriter:
         self.emit(f"tl.store({self.ptr[o]} + ({addr}), {convert(v, self.dtypes[v], sig.dtype)}, {mask})")
 
     # ------------------------------------------------------------------ the kernel
+    def _float(self, e) -> str:
+        """A size as a divisor of a float: a literal, or the size expression (an int argument)."""
+        return f"{int(e)}.0" if e.is_Integer else f"({ix.texpr(e)})"
+
     def generate(self) -> KernelSource:
         if self.space.rows == 0:  # nothing to compute: the kernel is never launched
             self.emit("pass")
             return self._assemble()
-        return self._generate()
+        try:
+            return self._generate()
+        except ValueError as e:  # index math we cannot prove in range (see fuser/indexing.py)
+            raise CodegenError(str(e)) from e
 
     def _generate(self) -> KernelSource:
-        wide = any(_max_offset(s) >= 2**31 for s in [*self.in_sig.values(), *self.out_sig.values()])
-        pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+        pid = "tl.program_id(0).to(tl.int64)" if self.wide else "tl.program_id(0)"
         full_outs = [o for o in self.region.outputs if shape(o) == self.space.full or not self.reduction]
         row_outs = [o for o in self.region.outputs if o not in full_outs]
         if not self.reduction:
             self.emit(f"x = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
-            self.emit(f"xmask = x < {self.space.rows}")
+            self.emit(f"xmask = x < {ix.texpr(self.space.rows)}")
             for o in full_outs:
                 self._store(o, self.full_index())
         else:
             self.emit(f"x = {pid} * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
-            self.emit(f"xmask = x < {self.space.rows}")
-            if self.plan.persistent:
+            self.emit(f"xmask = x < {ix.texpr(self.space.rows)}")
+            if self.persistent:
                 self.emit("r = tl.arange(0, RBLOCK)[None, :]")
-                self.emit(f"rmask = r < {self.space.r}")
+                self.emit(f"rmask = r < {ix.texpr(self.space.r)}")
                 for o in full_outs:
                     self._store(o, self.full_index())
             else:
@@ -546,10 +567,25 @@ class KernelWriter:
                 self._store(o, self.row_index(shape(o)))
         return self._assemble()
 
+    def _size_params(self, body: str) -> tuple:
+        """The size symbols the body names, in a fixed order: the kernel's int arguments."""
+        found = set(self.sizes.hints) | set(self.sizes.ranges)
+        for sig in [*self.in_sig.values(), *self.out_sig.values()]:
+            found |= ix.size_symbols(*sig.shape, *sig.stride)
+        for e in self.space.full:
+            found |= ix.size_symbols(e)
+        for n in self.region.nodes:
+            for a in n.all_input_nodes:
+                if is_size(a):
+                    found |= ix.size_symbols(a.meta["val"])
+        return tuple(s for s in sorted(found, key=str) if re.search(rf"\b{s}\b", body))
+
     def _assemble(self) -> KernelSource:
         body = "\n".join(self.lines)
+        sizes = self._size_params(body)
         params = [self.ptr[n] for n in self.region.inputs] + [self.ptr[n] for n in self.region.outputs]
         params += ["err_ptr"] if self.checks and interpreting() else []
+        params += [str(s) for s in sizes]
         params += ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.reduction else [])
         used = ops.helpers_for(body)
         header = self._header()
@@ -557,19 +593,17 @@ class KernelWriter:
         jit = "@triton.jit(debug=True)  # device-side asserts on" if self.checks and not interpreting() else "@triton.jit"
         src = (header + "import triton\nimport triton.language as tl\n" + math_import(helpers + body) + helpers +
                f"\n\n{jit}\ndef {self.name}({', '.join(params)}):\n{body}\n")
-        return KernelSource(self.name, src, self.plan, self.plan.programs,
-                            tuple(self.checks) if interpreting() else ())
+        return KernelSource(self.name, src, sizes, tuple(self.checks) if interpreting() else ())
 
     def _header(self) -> str:
-        from fuser.cost import region_cost, tensor_bytes
-        cost = region_cost(self.region)
+        cost, hint = self.cost, self.sizes.hint
         passes = self.region.passes()
         lines = [f"# region {self.region.id}: {self.region.kind}, {len(self.region.nodes)} ops: "
                  + ", ".join(dict.fromkeys(ops.op_name(n).replace("aten.", "") for n in self.region.nodes))]
         sp = self.space
         if sp.is_reduction:
             lines.append(f"# iteration: {sp.rows} rows x {sp.r} reduced (full shape {list(sp.full)}, "
-                         f"reduced dims {list(sp.reduced)}), {'row in registers' if self.plan.persistent else 'looped over the row'}")
+                         f"reduced dims {list(sp.reduced)}), {'row in registers' if self.persistent else 'looped over the row'}")
         else:
             lines.append(f"# iteration: {sp.rows} elements, shape {list(sp.full)}")
         lines.append("# HBM traffic of this kernel:")
@@ -579,9 +613,10 @@ class KernelWriter:
                          + (f" x{p} passes" if p > 1 else ""))
         for n in self.region.outputs:
             lines.append(f"#   write {n.name}: {list(shape(n))} {meta(n).dtype}".replace("torch.", "")
-                         + f" = {int(tensor_bytes(n))} B")
-        lines.append(f"# bytes fused {int(cost.bytes_fused)} vs unfused {int(cost.bytes_unfused)} "
-                     f"({cost.launches_unfused} eager kernels): k = {cost.k:.2f}")
+                         + f" = {_value(numel_bytes(n), hint)} B")
+        lines.append(f"# bytes fused {_value(cost.bytes_fused, hint)} vs unfused {_value(cost.bytes_unfused, hint)} "
+                     f"({cost.launches_unfused} eager kernels): k = {cost.k:.2f}"
+                     + (" at the sizes seen at capture" if cost.bytes_fused.free_symbols else ""))
         return "\n".join(lines) + "\n"
 
 
@@ -594,10 +629,16 @@ def _identity(combine: str, dtype: torch.dtype) -> str:
     return str(info.min if combine == "max" else info.max)
 
 
-def _max_offset(sig: TensorSig) -> int:
-    return sum((s - 1) * abs(st) for s, st in zip(sig.shape, sig.stride)) + 1
+def numel_bytes(n):
+    return ix.numel(shape(n)) * meta(n).element_size()
 
 
-def generate(region: Region, inputs: list, outputs: list, device_type: str, name: str) -> KernelSource:
+def _value(e, hint) -> str:
+    """An expression and, where it has symbols, its value at the hints."""
+    return str(int(e)) if e.is_Integer else f"{e} (= {hint(e)})"
+
+
+def generate(region: Region, inputs: list, outputs: list, device_type: str, name: str, *,
+             persistent: bool, wide: bool, cost) -> KernelSource:
     with target(device_type):
-        return KernelWriter(region, inputs, outputs, device_type, name).generate()
+        return KernelWriter(region, inputs, outputs, device_type, name, persistent, wide, cost).generate()

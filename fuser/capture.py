@@ -15,12 +15,12 @@ import torch
 import torch.fx as fx
 
 from . import ops
-from .cost import eager_cost, evaluate, tensor_bytes
+from .cost import eager_cost, tensor_bytes
 from .graph import ComputeGraph
 from .launch import AttentionKernel, RegionKernel
 from .partition import Partitioner
 from .report import FusionReport, RegionReport, Unfused
-from .rewrite import rewrite
+from .rewrite import Unbound, bind_sizes, rewrite
 
 aten = torch.ops.aten
 log = logging.getLogger("fuser")
@@ -42,28 +42,31 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = Tr
     taken = {n for a in attentions for n in a.nodes}
     part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg)
     report, units, kernels, dropped = FusionReport(), [], [], []
+    hints = dict(cg.sizes.hints)
+    bound, made = {}, {}
     for a in attentions:
         kernel = AttentionKernel(a, cg, f"attention_{a.id}")
         units.append(a)
         kernels.append(kernel)
-        report.regions.append(_attention_report(a, cg, kernel, graph_index, len(report.regions)))
+        report.regions.append(_attention_report(a, cg, kernel, graph_index, len(report.regions), hints))
     for region in part.partition():
+        cost = part.cost(region)
         try:
-            kernel = RegionKernel(region, f"fused_{region.id}")
-        except CodegenError as e:
+            kernel = RegionKernel(region, f"fused_{region.id}", cost)
+            bound[region] = bind_sizes(gm.graph, kernel.symbols, made)
+        except (CodegenError, Unbound) as e:
             dropped += [(n, f"codegen: {e}") for n in region.nodes]
             continue
         units.append(region)
         kernels.append(kernel)
-        cost = part.cost(region)
         report.regions.append(RegionReport(
             id=len(report.regions), graph=graph_index, kind=region.kind,
             ops=[ops.op_name(n) for n in region.nodes],
             input_shapes=[_describe(n) for n in region.inputs],
             output_shapes=[_describe(n) for n in region.outputs],
-            bytes_unfused=evaluate(cost.bytes_unfused), bytes_fused=evaluate(cost.bytes_fused),
-            bytes_unfused_expr=str(cost.bytes_unfused), bytes_fused_expr=str(cost.bytes_fused),
-            launches_unfused=cost.launches_unfused, kernel=kernel.name, source=kernel.source))
+            bytes_unfused_expr=cost.bytes_unfused, bytes_fused_expr=cost.bytes_fused,
+            launches_unfused=cost.launches_unfused, kernel=kernel.name, source=kernel.source,
+            hints=hints, seen=kernel.seen_sizes if kernel.symbols else None))
         log.debug("region %s (%s, k=%.2f):\n%s", kernel.name, region.kind, cost.k, kernel.source)
     fused = {n for u in units for n in u.nodes}
     reasons = dict(part.unfused([u for u in units if u not in attentions]))
@@ -74,12 +77,12 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = Tr
     devices = {n.meta["val"].device.type for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
     if "cpu" in devices and units:
         report.notes.append("CPU tensors: the kernels run through Triton's interpreter (correct, slow; for tests)")
-    new = rewrite(gm, units, kernels) if units else gm
+    new = rewrite(gm, units, kernels, bound) if units else gm
     report.code.append(new.code)
     return new, report
 
 
-def _attention_report(a, cg, kernel, graph_index, rid) -> RegionReport:
+def _attention_report(a, cg, kernel, graph_index, rid, hints) -> RegionReport:
     """Unfused, every op of the attention is an eager kernel (the scores go to HBM and back each
     time); fused, q, k, v and the masks are read once and the output written once."""
     unfused = sum((eager_cost(cg, n)[0] for n in a.nodes if cg.is_compute(n)), sympy.Integer(0))
@@ -87,7 +90,7 @@ def _attention_report(a, cg, kernel, graph_index, rid) -> RegionReport:
     return RegionReport(
         id=rid, graph=graph_index, kind="attention", ops=[ops.op_name(n) for n in a.nodes if cg.is_compute(n)],
         input_shapes=[_describe(n) for n in a.inputs], output_shapes=[_describe(a.out)],
-        bytes_unfused=evaluate(unfused), bytes_fused=evaluate(fused), bytes_unfused_expr=str(unfused),
-        bytes_fused_expr=str(fused), launches_unfused=sum(eager_cost(cg, n)[1] for n in a.nodes if cg.is_compute(n)),
+        bytes_unfused_expr=unfused, bytes_fused_expr=fused, hints=hints,
+        launches_unfused=sum(eager_cost(cg, n)[1] for n in a.nodes if cg.is_compute(n)),
         kernel=kernel.name, source=kernel.source)
 

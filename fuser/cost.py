@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from .graph import ComputeGraph, is_generator, meta
+from . import indexing as ix
+from .graph import ComputeGraph, is_generator, meta, numel
 from .region import Region
 from fuser.codegen.blocks import block_plan  # one place picks block sizes
 
@@ -22,36 +23,29 @@ LAUNCH_S = 4e-6            # one eager kernel launch (and its gap) on a GPU
 NUM_SMS = 132              # programs needed to keep every SM busy
 
 
-def numel(n) -> sympy.Expr:
-    """Element count of a node's tensor, symbolic where its sizes are."""
-    return sympy.Mul(*(sympy.sympify(getattr(s, "node", s).expr if hasattr(s, "node") else s)
-                       for s in meta(n).shape))
-
-
 def tensor_bytes(n, elems=None) -> sympy.Expr:
+    """Bytes of a node's tensor (or of `elems` of its elements), symbolic where its sizes are."""
     return (numel(n) if elems is None else sympy.sympify(elems)) * meta(n).element_size()
-
-
-def evaluate(e) -> int:
-    """An expression's value at the captured sizes."""
-    return int(sympy.sympify(e))
 
 
 @dataclass
 class Cost:
+    """Bytes as expressions in the graph's sizes; decisions use their values at the hints (the sizes
+    seen at capture)."""
     bytes_unfused: sympy.Expr
     bytes_fused: sympy.Expr
     launches_unfused: int
     programs: int
+    sizes: ix.Sizes
 
     @property
     def k(self) -> float:
-        fused = evaluate(self.bytes_fused)
-        return float(evaluate(self.bytes_unfused)) / fused if fused else 1.0
+        fused = self.sizes.hint(self.bytes_fused)
+        return float(self.sizes.hint(self.bytes_unfused)) / fused if fused else 1.0
 
     def time_fused(self) -> float:
         occupancy = min(1.0, self.programs / NUM_SMS)
-        return evaluate(self.bytes_fused) / (HBM_BYTES_PER_S * occupancy) + LAUNCH_S
+        return self.sizes.hint(self.bytes_fused) / (HBM_BYTES_PER_S * occupancy) + LAUNCH_S
 
 
 def eager_cost(cg: ComputeGraph, n) -> tuple[sympy.Expr, int]:
@@ -65,7 +59,8 @@ def eager_cost(cg: ComputeGraph, n) -> tuple[sympy.Expr, int]:
     if outs is not None:
         writes = tensor_bytes(n)
     else:  # multi-output ops (var_mean): every tensor they return
-        writes = sum((t.numel() * t.element_size() for t in n.meta["val"] if isinstance(t, torch.Tensor)), 0)
+        writes = sum((ix.numel(t.shape) * t.element_size() for t in n.meta["val"] if isinstance(t, torch.Tensor)),
+                     sympy.Integer(0))
     return reads + writes, 1
 
 
@@ -79,8 +74,15 @@ def region_cost(region: Region) -> Cost:
     passes = region.passes()
     fused = sympy.Integer(0)
     for a in region.inputs:
-        elems = max(cg.read_elems(c, a) for c in region.nodes if a in cg.data_inputs(c))
+        elems = max((cg.read_elems(c, a) for c in region.nodes if a in cg.data_inputs(c)), key=cg.sizes.hint)
         fused += tensor_bytes(a, elems) * passes[a]
     for o in region.outputs:
         fused += tensor_bytes(o)
-    return Cost(unfused, fused, launches, block_plan(region, "cuda").programs)
+    space, hint = region.space, cg.sizes.hint
+    plan = block_plan(hint(space.rows), hint(space.r) if space.is_reduction else None, "cuda")
+    return Cost(unfused, fused, launches, plan.programs, cg.sizes)
+
+
+def eager_time(cg: ComputeGraph, n) -> float:
+    b, launches = eager_cost(cg, n)
+    return cg.sizes.hint(b) / HBM_BYTES_PER_S + launches * LAUNCH_S

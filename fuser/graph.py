@@ -12,6 +12,7 @@ from functools import cached_property
 import torch
 import torch.fx as fx
 
+from . import indexing as ix
 from . import ops
 
 aten = torch.ops.aten
@@ -23,12 +24,23 @@ def meta(n) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def shape(n) -> tuple[int, ...]:
-    return tuple(meta(n).shape)
+def shape(n) -> tuple:
+    """The node's shape as sympy expressions (ints, or Dynamo's size symbols where sizes vary)."""
+    return ix.shape_of(meta(n))
+
+
+def numel(n):
+    return ix.numel(shape(n))
 
 
 def is_tensor(n) -> bool:
     return meta(n) is not None
+
+
+def is_size(n) -> bool:
+    """A node computing a size (a SymInt from sym_size, or arithmetic on sizes): not data; a
+    kernel that needs the value takes it as an argument."""
+    return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def is_generator(n) -> bool:
@@ -53,6 +65,7 @@ class ComputeGraph:
         self.graph = graph
         self.nodes = list(graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
+        self.sizes = ix.Sizes.of_graph(graph)
         self.info = {}
         for n in self.nodes:  # in order: a getitem's kind follows its parent's
             self.info[n] = self._classify(n)
@@ -60,6 +73,8 @@ class ComputeGraph:
     def _classify(self, n):
         if n.op != "call_function":
             return ops.Opaque("graph input or output")
+        if is_size(n):
+            return ops.Opaque("a size computation (host arithmetic)")
         if n.target is operator.getitem:
             parent = n.args[0]
             kind = self.info.get(parent)
@@ -81,8 +96,12 @@ class ComputeGraph:
         kind = ops.classify(n)
         if isinstance(kind, (ops.Pointwise, ops.Layout, ops.Reduction)):
             for a in operands(n):
+                if is_size(a):
+                    if not isinstance(a.meta["val"], torch.SymInt):
+                        return ops.Opaque("an operand is a symbolic float or bool")
+                    continue  # a symbolic int: the kernel takes its value as an argument
                 if meta(a) is None:
-                    return ops.Opaque("an operand is not a tensor (a symbolic size?)")
+                    return ops.Opaque("an operand is not a tensor")
                 if meta(a).dtype not in ops.TL_DTYPE:
                     return ops.Opaque(f"operand dtype {meta(a).dtype} has no Triton lowering here")
                 if meta(a).device != v.device and meta(a).dim() > 0:
@@ -103,7 +122,7 @@ class ComputeGraph:
         return isinstance(k, ops.Pointwise) and is_generator(n)
 
     def is_compute(self, n) -> bool:
-        return n.op == "call_function" and not self.transparent(n)
+        return n.op == "call_function" and not self.transparent(n) and not is_size(n)
 
     @cached_property
     def _data_inputs(self) -> dict:
@@ -111,7 +130,8 @@ class ComputeGraph:
         for n in self.nodes:
             found = []
             for a in operands(n) if n.op == "call_function" else []:
-                found.extend(out[a] if self.transparent(a) else [a])
+                if not is_size(a):
+                    found.extend(out[a] if self.transparent(a) else [a])
             out[n] = list(dict.fromkeys(found))
         return out
 
@@ -125,6 +145,8 @@ class ComputeGraph:
         for n in self.nodes:
             if n.op == "output":
                 for a in n.all_input_nodes:
+                    if is_size(a):
+                        continue
                     for base in ([a] if not self.transparent(a) else self._data_inputs[a]):
                         out[base].append(n)
                         if self.transparent(a):
@@ -139,17 +161,18 @@ class ComputeGraph:
         return self._consumers[n]
 
     def read_elems(self, consumer, base) -> int:
-        """Elements a consumer reads of `base`: the smallest tensor on the view chain between them."""
+        """Elements a consumer reads of `base`: the smallest tensor on the view chain between them
+        (compared at the hints where sizes are symbolic)."""
         best = None
         kind = self.info.get(consumer)
         for i, a in enumerate(operands(consumer)):
             chain = self._chain_to(a, base)
             if chain is not None:
-                m = min(meta(c).numel() for c in chain)
+                m = min((numel(c) for c in chain), key=self.sizes.hint)
                 if i == 0 and isinstance(kind, ops.Layout) and kind.indirect:  # a gather reads what it picks
-                    m = min(m, meta(consumer).numel())
-                best = m if best is None else max(best, m)
-        return best if best is not None else meta(base).numel()
+                    m = min(m, numel(consumer), key=self.sizes.hint)
+                best = m if best is None else max(best, m, key=self.sizes.hint)
+        return best if best is not None else numel(base)
 
     def _chain_to(self, n, base):
         if n is base:

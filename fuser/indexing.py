@@ -1,162 +1,287 @@
-"""Index math as sympy expressions over the kernel's iteration variables.
+"""Sizes and index math as sympy expressions, symbols allowed.
+
+A size is an int or one of Dynamo's size symbols (s0, s1, ...: positive integers, with the ranges and
+the hints, i.e. the sizes seen at capture, that its shape environment records).  `Sizes` answers
+what the kernel decisions need: a value at the hints (for the cost model) and comparisons that hold
+for every size Dynamo's guards let through (for index simplification).
 
 Layout ops (view, permute, expand, slice, cat) never copy inside a kernel: they map an index tuple of
-their output to one of their input.  Those maps nest into `(a // b) % c` terms, which we simplify with
-the known ranges of the variables so that a contiguous access prints as `x`, not as a chain of
-divisions: Triton can only vectorise what it can see is contiguous.
+their output to one of their input.  Those maps nest into `(a // b) % c` terms (torch.utils._sympy's
+FloorDiv and ModularIndexing, for non-negative operands), which we simplify with the known ranges of
+the index variables, so that a contiguous access prints as `x`, not as a chain of divisions: Triton
+can only vectorise what it can see is contiguous.  With symbolic sizes the same rules apply where
+they provably hold; where not, the general form stays (correct, maybe slower).
 """
 from __future__ import annotations
 
 import math
 
 import sympy
+import torch
 from sympy.printing.str import StrPrinter
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+__all__ = ["FloorDiv", "ModularIndexing", "Sizes", "Ranges", "expr", "shape_of"]
+
+UNBACKED_HINT = 8192  # a data-dependent size has no hint; the cost model assumes a large one (as Inductor)
 
 
-class FloorDiv(sympy.Function):
-    """a // b for non-negative integers (what Triton's `//` gives there)."""
-
-    is_integer = True
-    nargs = 2
-
-    @classmethod
-    def eval(cls, a, b):
-        if a.is_Integer and b.is_Integer:
-            return sympy.Integer(int(a) // int(b))
-        if b == 1:
-            return a
-        return None
+def expr(s) -> sympy.Expr:
+    """An int, a SymInt or a sympy expression as a sympy expression."""
+    if isinstance(s, torch.SymInt):
+        return s.node.expr
+    if isinstance(s, (int, bool)):
+        return sympy.Integer(int(s))
+    return sympy.sympify(s)
 
 
-class ModularIndexing(sympy.Function):
-    """(a // b) % c for non-negative integers."""
-
-    is_integer = True
-    nargs = 3
-
-    @classmethod
-    def eval(cls, a, b, c):
-        if a.is_Integer and b.is_Integer and c.is_Integer:
-            return sympy.Integer((int(a) // int(b)) % int(c))
-        return None
+def shape_of(t) -> tuple:
+    """A (fake) tensor's shape as sympy expressions: comparing SymInts would add guards to Dynamo's
+    shape environment, comparing expressions only asks whether they are the same expression."""
+    return tuple(expr(s) for s in t.shape)
 
 
-def value_range(e, ranges: dict) -> tuple[int, int]:
-    """Inclusive (lo, hi) of an index expression, given each symbol's size (symbol in [0, size))."""
+def stride_of(t) -> tuple:
+    return tuple(expr(s) for s in t.stride())
+
+
+class Sizes:
+    """What is known of a graph's size symbols: their ranges and hints (Dynamo's shape env)."""
+
+    def __init__(self, hints: dict | None = None, ranges: dict | None = None):
+        self.hints = dict(hints or {})
+        self.ranges = dict(ranges or {})
+
+    @staticmethod
+    def of_graph(graph) -> "Sizes":
+        for n in graph.nodes:
+            v = n.meta.get("val")
+            found = [s for s in ((v,) if isinstance(v, torch.SymInt) else tuple(v.shape) + tuple(v.stride())
+                                 if isinstance(v, torch.Tensor) and v.layout == torch.strided else ())
+                     if isinstance(s, torch.SymInt)]
+            if found:
+                env = found[0].node.shape_env
+                hints = getattr(env, "backed_var_to_val", None)  # torch >= 2.13; var_to_val before
+                hints = env.var_to_val if hints is None else hints
+                return Sizes({s: int(h) for s, h in hints.items()}, dict(env.var_to_range))
+        return Sizes()
+
+    def hint(self, e) -> int:
+        e = expr(e)
+        if e.is_Integer:
+            return int(e)
+        subs = {s: self.hints.get(s, UNBACKED_HINT) for s in e.free_symbols}
+        return int(e.xreplace(subs))
+
+    def bounds(self, e) -> ValueRanges:
+        e = _drop_minmax(expr(e), self)
+        rng = {s: self.ranges.get(s, ValueRanges(0 if s.is_nonnegative else -int_oo, int_oo))
+               for s in e.free_symbols}
+        try:
+            return bound_sympy(e, rng)
+        except Exception:  # an expression value-range analysis does not know
+            return ValueRanges.unknown()
+
+    def nonneg(self, e) -> bool:
+        e = expr(e)
+        if e.is_Number:
+            return e >= 0
+        return bool(self.bounds(e).lower >= 0)
+
+    def lt(self, a, b) -> bool:
+        """a < b for every size the graph may be called with."""
+        d = sympy.expand(expr(b) - expr(a))
+        if d.is_Number:
+            return bool(d > 0)
+        return bool(self.bounds(d).lower > 0)
+
+    def divides(self, d, e) -> bool:
+        """e is a multiple of d for every size (d, e integer expressions)."""
+        d, e = expr(d), expr(e)
+        if d.is_Integer and e.is_Integer:
+            return int(d) != 0 and int(e) % int(d) == 0
+        num, den = sympy.fraction(sympy.cancel(e / d))
+        return den == 1 or den == -1
+
+
+def _drop_minmax(e, sizes: Sizes):
+    """Max(a, b) -> a where a >= b always (Dynamo writes strides as Max(1, s - 1))."""
+    if not e.has(sympy.Max, sympy.Min):
+        return e
+
+    def pick(m):
+        a, b = m.args[0], sympy.Max(*m.args[1:]) if isinstance(m, sympy.Max) else sympy.Min(*m.args[1:])
+        for first, second in ((a, b), (b, a)):
+            if isinstance(m, sympy.Max) and sizes.nonneg(first - second):
+                return first
+            if isinstance(m, sympy.Min) and sizes.nonneg(second - first):
+                return first
+        return m
+
+    return e.replace(lambda t: isinstance(t, (sympy.Max, sympy.Min)), pick)
+
+
+class Ranges(dict):
+    """Index variables -> their extent (symbol in [0, extent)), plus the graph's `sizes`."""
+
+    def __init__(self, extents: dict, sizes: Sizes | None = None):
+        super().__init__(extents)
+        self.sizes = sizes or Sizes()
+
+
+def _sizes(ranges) -> Sizes:
+    return getattr(ranges, "sizes", None) or Sizes()
+
+
+def _is_index(factor, ranges) -> bool:
+    return bool(factor.free_symbols & ranges.keys())
+
+
+def _terms(e, ranges) -> dict:
+    """e as {index atom: coefficient}, coefficients free of index variables (ints and sizes)."""
+    out: dict = {}
+    for t in sympy.Add.make_args(sympy.expand(e)):
+        idx, coeff = [], []
+        for f in sympy.Mul.make_args(t):
+            (idx if _is_index(f, ranges) else coeff).append(f)
+        atom, c = sympy.Mul(*idx), sympy.Mul(*coeff)
+        out[atom] = out.get(atom, sympy.Integer(0)) + c
+    return {a: c for a, c in out.items() if c != 0}
+
+
+def value_range(e, ranges: dict) -> tuple:
+    """Inclusive (lo, hi) of an index expression, given each variable's extent (var in [0, extent))."""
+    e = sympy.sympify(e)
     if e.is_Integer:
-        return int(e), int(e)
+        return e, e
+    if not _is_index(e, ranges):
+        return e, e  # a size: constant over the kernel's index space
     if e.is_Symbol:
-        return 0, int(ranges[e]) - 1
+        return sympy.Integer(0), sympy.sympify(ranges[e]) - 1
+    sizes = _sizes(ranges)
     if e.is_Add:
-        lo = hi = 0
+        lo = hi = sympy.Integer(0)
         for t in e.args:
             a, b = value_range(t, ranges)
             lo, hi = lo + a, hi + b
         return lo, hi
     if e.is_Mul:
-        coeff, rest = e.as_coeff_Mul()
-        if coeff.is_Integer and not rest.is_Mul:
-            a, b = value_range(rest, ranges)
-            c = int(coeff)
-            return (c * a, c * b) if c >= 0 else (c * b, c * a)
+        terms = _terms(e, ranges)
+        if len(terms) == 1:
+            (atom, c), = terms.items()
+            if not atom.is_Mul:
+                a, b = value_range(atom, ranges)
+                if sizes.nonneg(c):
+                    return c * a, c * b
+                if sizes.nonneg(-c):
+                    return c * b, c * a
         raise ValueError(f"non-linear index term {e}")
     if isinstance(e, FloorDiv):
         a, b = value_range(e.args[0], ranges)
-        d = int(e.args[1])
-        return a // d, b // d
+        return FloorDiv(a, e.args[1]), FloorDiv(b, e.args[1])
     if isinstance(e, ModularIndexing):
         a, b = value_range(e.args[0], ranges)
-        d, m = int(e.args[1]), int(e.args[2])
-        if a >= 0 and b // d < m:
-            return a // d, b // d
-        return 0, m - 1
+        d, m = e.args[1], e.args[2]
+        if sizes.nonneg(a) and sizes.lt(FloorDiv(b, d), m):
+            return FloorDiv(a, d), FloorDiv(b, d)
+        return sympy.Integer(0), m - 1
     raise ValueError(f"unsupported index expression {e}")
 
 
-def _split(e, divisor: int):
-    """Split e into (multiple_of_divisor / divisor, rest) by its integer coefficients."""
+def _split(e, divisor, ranges):
+    """Split e into (the part that is a multiple of divisor, divided by it; the rest)."""
     whole, rest = sympy.Integer(0), sympy.Integer(0)
-    for term, coeff in e.as_coefficients_dict().items():
-        c = int(coeff)
-        if c % divisor == 0:
-            whole += (c // divisor) * term
+    sizes = _sizes(ranges)
+    for atom, c in _terms(e, ranges).items():
+        if sizes.divides(divisor, c):
+            whole += sympy.cancel(c / divisor) * atom
         else:
-            rest += c * term
+            rest += c * atom
     return whole, rest
 
 
-def _single_term(e):
-    """(coeff, term) if e is coeff*term with one non-constant term, else None."""
-    d = e.as_coefficients_dict()
+def _single_term(e, ranges):
+    """(coeff, atom) if e is coeff*atom with one index atom and nothing else, else None."""
+    d = _terms(e, ranges)
     if len(d) == 1:
-        (term, coeff), = d.items()
-        if term != 1:
-            return int(coeff), term
+        (atom, coeff), = d.items()
+        if atom != 1:
+            return coeff, atom
     return None
 
 
-def floordiv(e, d: int, ranges: dict):
+def floordiv(e, d, ranges: dict):
     """e // d, simplified with the variables' ranges."""
-    e, d = sympy.sympify(e), int(d)
+    e, d = sympy.sympify(e), sympy.sympify(d)
     if d == 1:
         return e
-    whole, rest = _split(e, d)
+    sizes = _sizes(ranges)
+    whole, rest = _split(e, d, ranges)
     if rest == 0:
         return whole
     lo, hi = value_range(rest, ranges)
-    if 0 <= lo and hi < d:
+    if sizes.nonneg(lo) and sizes.lt(hi, d):
         return whole
-    single = _single_term(rest)
-    if single and single[0] > 0 and d % single[0] == 0 and lo >= 0:
+    single = _single_term(rest, ranges)
+    if single and sizes.lt(0, single[0]) and sizes.divides(single[0], d) and sizes.nonneg(lo):
         c, t = single
-        return whole + _floordiv_atom(t, d // c, ranges)
-    if lo < 0:
-        raise ValueError(f"negative index in {rest} // {d}")
+        return whole + _floordiv_atom(t, sympy.cancel(d / c), ranges)
+    if not sizes.nonneg(lo):
+        raise ValueError(f"index {rest} // {d} may be negative")
     return whole + FloorDiv(rest, d)
 
 
-def _floordiv_atom(t, d: int, ranges: dict):
+def _floordiv_atom(t, d, ranges: dict):
     if d == 1:
         return t
+    sizes = _sizes(ranges)
     lo, hi = value_range(t, ranges)
-    if hi < d:
+    if sizes.lt(hi, d):
         return sympy.Integer(0)
     if isinstance(t, FloorDiv):
-        return floordiv(t.args[0], int(t.args[1]) * d, ranges)
+        return floordiv(t.args[0], t.args[1] * d, ranges)
     if isinstance(t, ModularIndexing):
-        a, p, m = t.args[0], int(t.args[1]), int(t.args[2])
-        if m % d == 0:
-            return ModularIndexing(a, p * d, m // d)
+        a, p, m = t.args
+        if sizes.divides(d, m):
+            return ModularIndexing(a, p * d, sympy.cancel(m / d))
     return FloorDiv(t, d)
 
 
-def modulo(e, m: int, ranges: dict):
+def modulo(e, m, ranges: dict):
     """e % m, simplified with the variables' ranges."""
-    e, m = sympy.sympify(e), int(m)
+    e, m = sympy.sympify(e), sympy.sympify(m)
     if m == 1:
         return sympy.Integer(0)
-    _, rest = _split(e, m)
+    sizes = _sizes(ranges)
+    _, rest = _split(e, m, ranges)
     lo, hi = value_range(rest, ranges)
-    if 0 <= lo and hi < m:
+    if sizes.nonneg(lo) and sizes.lt(hi, m):
         return rest
-    single = _single_term(rest)
-    if single and single[0] > 0 and m % single[0] == 0 and lo >= 0:
+    single = _single_term(rest, ranges)
+    if single and sizes.lt(0, single[0]) and sizes.divides(single[0], m) and sizes.nonneg(lo):
         c, t = single
-        return c * _modulo_atom(t, m // c, ranges)
-    if lo < 0:
-        raise ValueError(f"negative index in {rest} % {m}")
+        return c * _modulo_atom(t, sympy.cancel(m / c), ranges)
+    if not sizes.nonneg(lo):
+        raise ValueError(f"index {rest} % {m} may be negative")
     return ModularIndexing(rest, 1, m)
 
 
-def _modulo_atom(t, m: int, ranges: dict):
+def _modulo_atom(t, m, ranges: dict):
+    sizes = _sizes(ranges)
     lo, hi = value_range(t, ranges)
-    if hi < m:
+    if sizes.lt(hi, m):
         return t
     if isinstance(t, FloorDiv):
         return ModularIndexing(t.args[0], t.args[1], m)
-    if isinstance(t, ModularIndexing) and int(t.args[2]) % m == 0:
+    if isinstance(t, ModularIndexing) and sizes.divides(m, t.args[2]):
         return ModularIndexing(t.args[0], t.args[1], m)
     return ModularIndexing(t, 1, m)
+
+
+def _same(a, b) -> bool:
+    return a == b or sympy.expand(a - b) == 0
 
 
 def combine(e, ranges: dict):
@@ -164,44 +289,45 @@ def combine(e, ranges: dict):
 
     This is what turns the per-dimension address of a contiguous tensor back into the flat index.
     """
-    e = sympy.expand(e)
+    terms = _terms(e, ranges)
     changed = True
     while changed:
         changed = False
-        terms = e.as_coefficients_dict()
         for t1, c1 in terms.items():
             if not isinstance(t1, ModularIndexing):
                 continue
             a, p, s = t1.args
             for t2, c2 in terms.items():
-                if t2 is t1 or c2 != c1 * s:
+                if t2 is t1 or not _same(c2, c1 * s):
                     continue
-                if isinstance(t2, ModularIndexing) and t2.args[0] == a and t2.args[1] == p * s:
+                if isinstance(t2, ModularIndexing) and t2.args[0] == a and _same(t2.args[1], p * s):
                     merged = ModularIndexing(a, p, s * t2.args[2])
-                elif isinstance(t2, FloorDiv) and t2.args[0] == a and t2.args[1] == p * s:
+                elif isinstance(t2, FloorDiv) and t2.args[0] == a and _same(t2.args[1], p * s):
                     merged = FloorDiv(a, p)
                 else:
                     continue
-                e = e - c1 * t1 - c2 * t2 + c1 * _tidy(merged, ranges)
+                del terms[t1], terms[t2]
+                for atom, c in _terms(c1 * _tidy(merged, ranges), ranges).items():
+                    terms[atom] = terms.get(atom, sympy.Integer(0)) + c
                 changed = True
                 break
             if changed:
                 break
-    return e
+    return sympy.Add(*(c * a for a, c in terms.items()))
 
 
 def _tidy(t, ranges: dict):
     """(a // p) % s with a < p*s is a // p; a // 1 is a."""
     if isinstance(t, ModularIndexing):
         a, p, s = t.args
-        if value_range(a, ranges)[1] < int(p) * int(s):
+        if _sizes(ranges).lt(value_range(a, ranges)[1], p * s):
             return floordiv(a, p, ranges)
     return t
 
 
 def delinearize(flat, shape, ranges: dict) -> tuple:
     """The multi-index of a row-major flat index into `shape`."""
-    out, stride = [], 1
+    out, stride = [], sympy.Integer(1)
     for size in reversed(shape):
         out.append(sympy.Integer(0) if size == 1 else modulo(floordiv(flat, stride, ranges), size, ranges))
         stride *= size
@@ -210,7 +336,7 @@ def delinearize(flat, shape, ranges: dict) -> tuple:
 
 def linearize(index, shape):
     """The row-major flat index of a multi-index into `shape`."""
-    flat, stride = sympy.Integer(0), 1
+    flat, stride = sympy.Integer(0), sympy.Integer(1)
     for i, size in zip(reversed(index), reversed(shape)):
         flat += i * stride
         stride *= size
@@ -223,20 +349,55 @@ def broadcast_index(index, from_shape, to_shape) -> tuple:
     return tuple(sympy.Integer(0) if size == 1 else index[lead + d] for d, size in enumerate(to_shape))
 
 
-def numel(shape) -> int:
-    return math.prod(int(s) for s in shape)
+def broadcast_shapes(a, b) -> tuple | None:
+    """The broadcast of two shapes of expressions, or None where they do not broadcast."""
+    out = []
+    for i in range(max(len(a), len(b))):
+        x = a[len(a) - 1 - i] if i < len(a) else 1
+        y = b[len(b) - 1 - i] if i < len(b) else 1
+        if x == 1 or x == y:
+            out.append(y)
+        elif y == 1:
+            out.append(x)
+        else:
+            return None
+    return tuple(reversed(out))
+
+
+def numel(shape) -> sympy.Expr:
+    return sympy.Mul(*(expr(s) for s in shape))
+
+
+def size_symbols(*exprs) -> set:
+    """The size symbols (s0, u1, ...) in some expressions."""
+    out = set()
+    for e in exprs:
+        out |= expr(e).free_symbols
+    return out
 
 
 class TritonPrinter(StrPrinter):
     """Prints index math as Triton/Python integer expressions."""
 
     def _print_FloorDiv(self, e):
-        return f"({self._operand(e.args[0])} // {self._print(e.args[1])})"
+        return f"({self._operand(e.args[0])} // {self._operand(e.args[1])})"
 
     def _print_ModularIndexing(self, e):
         a, p, m = e.args
-        inner = self._operand(a) if p == 1 else f"({self._operand(a)} // {self._print(p)})"
-        return f"({inner} % {self._print(m)})"
+        inner = self._operand(a) if p == 1 else f"({self._operand(a)} // {self._operand(p)})"
+        return f"({inner} % {self._operand(m)})"
+
+    def _print_Max(self, e):
+        return self._fold("tl.maximum", e.args)
+
+    def _print_Min(self, e):
+        return self._fold("tl.minimum", e.args)
+
+    def _fold(self, fn, args):
+        text = self._print(args[0])
+        for a in args[1:]:
+            text = f"{fn}({text}, {self._print(a)})"
+        return text
 
     def _operand(self, a) -> str:
         """A numerator in brackets unless atomic: `//` and `%` bind tighter than `+`."""
@@ -244,5 +405,19 @@ class TritonPrinter(StrPrinter):
         return text if a.is_Atom or isinstance(a, (FloorDiv, ModularIndexing)) else f"({text})"
 
 
+class PythonPrinter(TritonPrinter):
+    """The same arithmetic as host Python (sizes evaluated at launch)."""
+
+    def _print_Max(self, e):
+        return f"max({', '.join(self._print(a) for a in e.args)})"
+
+    def _print_Min(self, e):
+        return f"min({', '.join(self._print(a) for a in e.args)})"
+
+
 def texpr(e) -> str:
     return TritonPrinter().doprint(sympy.sympify(e))
+
+
+def pyexpr(e) -> str:
+    return PythonPrinter().doprint(sympy.sympify(e))

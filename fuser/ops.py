@@ -40,7 +40,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def literal(v) -> str:
-    """A Python scalar as Triton source."""
+    """A Python scalar as Triton source; a symbolic int (a size node) as the size expression, whose
+    symbols the kernel takes as arguments."""
+    if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.SymInt):
+        return f"({ix.texpr(ix.expr(v.meta['val']))})"
     if isinstance(v, bool):
         return "True" if v else "False"
     if isinstance(v, float):
@@ -670,7 +673,18 @@ def helpers_for(source: str) -> list[str]:
 
 
 def _shape(n) -> tuple:
-    return tuple(n.meta["val"].shape)
+    return ix.shape_of(n.meta["val"])
+
+
+def _size_arg(a):
+    """An int argument of a layout op (a slice start, a pad width) as an expression."""
+    if isinstance(a, torch.fx.Node):
+        return ix.expr(a.meta["val"])
+    return a if a is None else sympy.Integer(a)
+
+
+def _nonneg(e, ranges) -> bool:
+    return ranges.sizes.nonneg(e) if isinstance(ranges, ix.Ranges) else e >= 0
 
 
 def _view(node, idx, ranges):
@@ -700,8 +714,12 @@ def _slice(node, idx, ranges):
     dim, start, _, step = (tuple(node.args[1:]) + (0, None, None, 1))[:4]
     dim %= len(idx)
     size = _shape(src)[dim]
-    start = 0 if start is None else (start + size if start < 0 else start)
-    start = min(max(start, 0), size)
+    start = sympy.Integer(0) if start is None else _size_arg(start)
+    if start.is_Integer and size.is_Integer:
+        start = start + size if start < 0 else start
+        start = min(max(start, 0), size)
+    elif not _nonneg(start, ranges):
+        raise ValueError(f"slice start {start} may be negative")
     out = list(idx)
     out[dim] = start + idx[dim] * (step or 1)
     return [(src, tuple(out), None)], None
@@ -709,11 +727,14 @@ def _slice(node, idx, ranges):
 
 def _select(node, idx, ranges):
     src = node.args[0]
-    dim, i = node.args[1], node.args[2]
+    dim, i = node.args[1], _size_arg(node.args[2])
     dim %= len(_shape(src))
-    i = i + _shape(src)[dim] if i < 0 else i
+    if i.is_Integer:
+        i = i + _shape(src)[dim] if i < 0 else i
+    elif not _nonneg(i, ranges):
+        raise ValueError(f"select index {i} may be negative")
     out = list(idx)
-    out.insert(dim, sympy.Integer(i))
+    out.insert(dim, i)
     return [(src, tuple(out), None)], None
 
 
@@ -747,7 +768,7 @@ def _pad(node, idx, ranges):
     out, conds = list(idx), []
     for k in range(len(pad) // 2):
         d = len(shape) - 1 - k
-        lo = pad[2 * k]
+        lo = _size_arg(pad[2 * k])
         out[d] = idx[d] - lo
         conds.append((lo, lo + shape[d], d))
     return [(src, tuple(out), tuple(conds))], value

@@ -15,7 +15,7 @@ import networkx as nx
 import torch.fx as fx
 
 from . import ops
-from .cost import HBM_BYTES_PER_S, LAUNCH_S, Cost, eager_cost, evaluate, region_cost
+from .cost import Cost, eager_time, region_cost
 from .graph import ComputeGraph
 from .region import Region, analyze, reduction_space
 
@@ -148,7 +148,3 @@ def _forced(a: set, b: set) -> bool:
     """A multi-output op and its getitems always travel together."""
     return any(n.target is operator.getitem for n in b) and len(b) == 1
 
-
-def eager_time(cg: ComputeGraph, n) -> float:
-    b, launches = eager_cost(cg, n)
-    return evaluate(b) / HBM_BYTES_PER_S + launches * LAUNCH_S

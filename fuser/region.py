@@ -6,10 +6,11 @@ them.  Each output is either full-shaped (stored per element) or row-shaped (sto
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 from functools import cached_property
+
+import sympy
 
 from fuser.patterns.softmax import online_max
 
@@ -19,30 +20,32 @@ from .graph import ComputeGraph, meta, shape
 PERSISTENT_MAX_R = 16384  # rows up to this many elements are held in registers: one HBM pass
 
 
+def persistent_at(r: int) -> bool:
+    return r <= PERSISTENT_MAX_R
+
+
 @dataclass(frozen=True)
 class Space:
-    full: tuple[int, ...]
+    """Sizes are sympy expressions: ints, or Dynamo's size symbols where sizes vary."""
+
+    full: tuple
     reduced: tuple[int, ...] = ()
 
     @property
-    def kept(self) -> tuple[int, ...]:
+    def kept(self) -> tuple:
         return tuple(s for d, s in enumerate(self.full) if d not in self.reduced)
 
     @property
-    def rows(self) -> int:
-        return math.prod(self.kept)
+    def rows(self):
+        return sympy.Mul(*self.kept)
 
     @property
-    def r(self) -> int:
-        return math.prod(self.full[d] for d in self.reduced)
+    def r(self):
+        return sympy.Mul(*(self.full[d] for d in self.reduced))
 
     @property
     def is_reduction(self) -> bool:
         return bool(self.reduced)
-
-    @property
-    def persistent(self) -> bool:
-        return self.r <= PERSISTENT_MAX_R
 
     def row_shaped(self, shp) -> bool:
         """A per-row value: the full shape with the reduced dims set to 1 or dropped."""
@@ -97,6 +100,12 @@ class Region:
     def kind(self) -> str:
         return "reduction" if self.space.is_reduction else "pointwise"
 
+    @property
+    def persistent(self) -> bool:
+        """Rows held in registers (one HBM pass), else a loop over R, at the sizes seen at capture.
+        With a symbolic R the kernel picks its variant per call (`persistent_at`)."""
+        return persistent_at(self.cg.sizes.hint(self.space.r))
+
     # -- reduction levels: which loop computes what (shared by the cost model and codegen) --
 
     @cached_property
@@ -144,7 +153,7 @@ class Region:
 
     def passes(self) -> dict:
         """How many times each input is read from HBM: once when rows sit in registers, else per loop."""
-        if not self.space.is_reduction or self.space.persistent:
+        if not self.space.is_reduction or self.persistent:
             return {a: 1 for a in self.inputs}
         count = {a: 0 for a in self.inputs}
         by_level = {}

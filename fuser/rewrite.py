@@ -4,12 +4,55 @@ from __future__ import annotations
 import operator
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
+from . import indexing as ix
 
-def rewrite(gm: fx.GraphModule, regions: list, kernels: list) -> fx.GraphModule:
+
+class Unbound(Exception):
+    """A size symbol no node of the graph gives."""
+
+
+def bind_sizes(graph: fx.Graph, symbols, made: dict | None = None) -> list:
+    """For each size symbol, a node whose value at run time is that size: a SymInt input of the
+    graph, or `sym_size`/`sym_stride` of a tensor that has it (inserted after that tensor).  Dynamo
+    makes every size symbol one of a graph input's sizes, so one is found for each."""
+    made = {} if made is None else made
+    out = []
+    for sym in symbols:
+        node = made.get(sym)
+        if node is None:
+            node = made[sym] = _find(graph, sym)
+        out.append(node)
+    return out
+
+
+def _find(graph: fx.Graph, sym):
+    nodes = sorted(graph.nodes, key=lambda n: n.op != "placeholder")  # inputs first
+    for n in nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) and ix.expr(v) == sym:
+            return n
+    for n in nodes:
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
+            continue
+        for op, values in ((torch.ops.aten.sym_size.int, v.shape), (torch.ops.aten.sym_stride.int, v.stride())):
+            for d, s in enumerate(values):
+                if ix.expr(s) == sym:
+                    with graph.inserting_after(n):
+                        new = graph.call_function(op, (n, d))
+                    new.meta["val"] = s
+                    return new
+    raise Unbound(f"no input of the graph gives the size {sym}")
+
+
+def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None = None) -> fx.GraphModule:
     """A new GraphModule in which each region (or recognised attention: anything with nodes, inputs
-    and outputs) is one `self.<kernel name>(*inputs)` call; prints as Python."""
+    and outputs) is one `self.<kernel name>(*inputs, *sizes)` call; prints as Python.  `sizes` maps
+    a region to the nodes giving its kernel's size arguments (see `bind_sizes`)."""
+    sizes = sizes or {}
     owner = {n: r for r in regions for n in r.nodes}
     by_region = dict(zip(regions, kernels))
     units = nx.DiGraph()
@@ -21,7 +64,7 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list) -> fx.GraphModule:
     for n in gm.graph.nodes:
         units.add_node(unit(n))
     for r in regions:
-        for a in r.inputs:
+        for a in [*r.inputs, *sizes.get(r, ())]:
             units.add_edge(unit(a), r)
     for n in gm.graph.nodes:
         if n in owner:
@@ -39,7 +82,7 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list) -> fx.GraphModule:
     for u in nx.lexicographical_topological_sort(units, key=key):
         if u in by_region:
             k = by_region[u]
-            call = graph.call_module(k.name, tuple(env[a] for a in u.inputs))
+            call = graph.call_module(k.name, tuple(env[a] for a in [*u.inputs, *sizes.get(u, ())]))
             for i, o in enumerate(u.outputs):
                 env[o] = graph.call_function(operator.getitem, (call, i))
                 env[o].meta = dict(o.meta)

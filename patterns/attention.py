@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from fuser import ops
+from fuser.indexing import broadcast_shapes
 from fuser.graph import ComputeGraph, is_generator, meta, operands, shape
 
 aten = torch.ops.aten
@@ -133,13 +134,6 @@ def _chain(x, scores, cg: ComputeGraph):
     return sorted(chain, key=cg.order.__getitem__), extras
 
 
-def _broadcast(a, b):
-    try:
-        return tuple(torch.broadcast_shapes(a, b))
-    except RuntimeError:
-        return None
-
-
 def _ancestors(n, stop_before: int, cg: ComputeGraph) -> set:
     seen, stack = set(), [n]
     while stack:
@@ -160,6 +154,8 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
         return None
     out = users[0]
     b, h, m, d = shape(out)
+    if not d.is_Integer:
+        return None  # the kernel is built for one head dim; batch, heads and lengths may vary
     p, walked_p = _operand4(pv.args[0], (b, h, m, shape(pv.args[0])[-1]))
     if p is None:
         return None
@@ -196,7 +192,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     if meta(q).dtype != meta(k).dtype or meta(k).dtype != meta(v).dtype:
         return None
     for e in extras:  # masks and biases, broadcast over [B, H, M, N], not computed from V
-        if meta(e) is None or len(shape(e)) > 4 or _broadcast(shape(e), (b, h, m, n)) != (b, h, m, n):
+        if meta(e) is None or len(shape(e)) > 4 or broadcast_shapes(shape(e), (b, h, m, n)) != (b, h, m, n):
             return None
         if v in _ancestors(e, cg.order[v], cg):
             return None
@@ -238,6 +234,9 @@ def causal_offset(att: Attention, cg: ComputeGraph) -> int | None:
     if not att.chain:
         return None
     m, n = shape(att.scores)[2:]
+    if not (m.is_Integer and n.is_Integer):
+        return None  # symbolic lengths: the mask is applied as the chain computes it, tile by tile
+    m, n = int(m), int(n)
     values = {}
     try:
         with torch.no_grad(), _real_tensors():

@@ -73,7 +73,7 @@ def test_long_rows_are_read_once_per_pass():
     m, r = 1024, 40000
     regions, part = regions_of(lambda x: torch.softmax(x, -1), (m, r))
     (region,) = regions
-    assert not region.space.persistent
+    assert not region.persistent
     assert int(part.cost(region).bytes_fused) == (2 + 1) * m * r * F32
     regions, part = regions_of(lambda x: torch.var(x * 2.0, -1), (m, r))
     assert int(part.cost(regions[0]).bytes_fused) == (2 * m * r + m) * F32
@@ -87,7 +87,7 @@ def test_cross_entropy_reads_the_logits_once():
             torch.empty(n, v, dtype=torch.bfloat16), torch.empty(n, dtype=torch.long))
     part = Partitioner(gm.graph)
     big = [r for r in part.partition() if "gather" in names(r)][0]
-    assert {"amax", "exp", "sum", "log", "gather"} <= names(big) and not big.space.persistent
+    assert {"amax", "exp", "sum", "log", "gather"} <= names(big) and not big.persistent
     assert int(part.cost(big).bytes_fused) < 1.01 * n * v * 2  # the bf16 logits, once
 
 
