@@ -393,6 +393,12 @@ class TritonPrinter(StrPrinter):
     def _print_Min(self, e):
         return self._fold("tl.minimum", e.args)
 
+    def _print_Pow(self, e):
+        base, exp = e.args
+        if exp.is_Integer and int(exp) > 0:  # Triton has no `**` on ints: s0**2 is s0*s0
+            return "(" + " * ".join([self._operand(base)] * int(exp)) + ")"
+        raise ValueError(f"no integer form for {e}")
+
     def _fold(self, fn, args):
         text = self._print(args[0])
         for a in args[1:]:
@@ -407,6 +413,9 @@ class TritonPrinter(StrPrinter):
 
 class PythonPrinter(TritonPrinter):
     """The same arithmetic as host Python (sizes evaluated at launch)."""
+
+    def _print_Pow(self, e):
+        return StrPrinter._print_Pow(self, e)
 
     def _print_Max(self, e):
         return f"max({', '.join(self._print(a) for a in e.args)})"
