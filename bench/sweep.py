@@ -15,9 +15,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fuser  # noqa: E402
-import fuser.codegen.kernel as kernel_mod  # noqa: E402
+import fuser.launch as launch_mod  # noqa: E402
 from fuser.codegen.blocks import BlockPlan, block_plan  # noqa: E402
-from fuser.codegen.compile import load  # noqa: E402
 from fuser.launch import RegionKernel  # noqa: E402
 
 
@@ -61,27 +60,31 @@ def plans(reduction: bool, r: int):
 def sweep(name, fn, inputs, copy_bw):
     moved = sum(t.numel() * t.element_size() for t in inputs) + fn(*inputs).numel() * 2
     for plan in plans(*_shape_of(fn, inputs)):
-        def forced(region, device_type, plan=plan):
-            base = block_plan(region, device_type)
-            programs = triton.cdiv(max(region.space.rows, 1), plan.xblock)
-            return BlockPlan(plan.xblock, plan.rblock if region.space.is_reduction else 1, plan.num_warps,
+        def forced(rows, r, device_type, plan=plan):
+            base = block_plan(rows, r, device_type)
+            programs = triton.cdiv(max(rows, 1), plan.xblock)
+            return BlockPlan(plan.xblock, plan.rblock if r is not None else 1, plan.num_warps,
                              programs, base.persistent)
-        kernel_mod.block_plan = forced
+        launch_mod.block_plan = forced
         torch._dynamo.reset()
         fused = fuser.fuse(fn)
         fused(*inputs)
         ms = do_bench(lambda: fused(*inputs), warmup=25, rep=100, return_mode="median")
-        region_kernel = max(_kernels(fused), key=lambda k: k.region.space.rows * max(k.region.space.r, 1))
-        src, meta = next(iter(region_kernel.variants.values()))
-        launch = load(src.source, src.name)
-        outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="cuda") for s in region_kernel.out_sigs]
-        ins = _region_inputs(region_kernel, inputs) if fn is not cross_entropy else list(inputs)
-        bare = do_bench(lambda: launch[(src.grid,)](*ins, *outs, **meta),
-                        warmup=25, rep=100, return_mode="median")
+        k = max(_kernels(fused), key=lambda k: k._rows * max(k._r, 1))
+        launcher, outs = _direct(k)
+        ins = _region_inputs(k, inputs) if fn is not cross_entropy else list(inputs)
+        bare = do_bench(lambda: launcher(k._plan.programs, *ins, *outs), warmup=25, rep=100, return_mode="median")
         print(f"{name:10s} XBLOCK={plan.xblock:5d} RBLOCK={plan.rblock:5d} warps={plan.num_warps:2d}  "
               f"module {ms:.3f} ms ({moved / ms / 1e6 / copy_bw:5.1%})  bare kernel {bare:.3f} ms "
               f"({moved / bare / 1e6 / copy_bw:5.1%})", flush=True)
-    kernel_mod.block_plan = block_plan
+    launch_mod.block_plan = block_plan
+
+
+def _direct(k):
+    """The launcher of a static RegionKernel's captured variant and outputs to launch it into."""
+    variant, out_sigs = k._captured
+    outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="cuda") for s in out_sigs]
+    return variant.launcher(k._plan, "cuda", k.reduction), outs
 
 
 def _shape_of(fn, inputs):
@@ -119,9 +122,8 @@ def host_overhead():
         torch.cuda.synchronize()
         print(f"host time per call  {name:9s} {host:6.1f} us", flush=True)
     (k,) = _kernels(systems["fuser"])
-    src, meta = next(iter(k.variants.values()))
-    outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="cuda") for s in k.out_sigs]
-    for label, fn in (("RegionKernel", lambda: k(x, w)), ("direct launch", lambda: src.launcher(x, w, *outs))):
+    launcher, outs = _direct(k)
+    for label, fn in (("RegionKernel", lambda: k(x, w)), ("direct launch", lambda: launcher(k._plan.programs, x, w, *outs))):
         t = time.perf_counter()
         for _ in range(2000):
             fn()

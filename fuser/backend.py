@@ -16,7 +16,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .capture import compile_graph
 from .decompositions import decompositions
-from .launch import EagerCheckError
+from .launch import EagerCheckError, NotForTheseSizes
 from .report import FusionReport
 
 log = logging.getLogger("fuser")
@@ -76,6 +76,9 @@ class GraphRunner:
             return self.fused(*args)
         except EagerCheckError:
             raise  # eager raises here too (index out of range, integer division by zero)
+        except NotForTheseSizes as e:  # this call's sizes only (a reduction over 0 elements)
+            log.debug("fuser: graph %d runs as given for one call: %s", self.report.graph, e)
+            return self.given(*args)
         except Exception as e:
             out = self.given(*args)
             _fall_back(self.report, "at run time", e)

@@ -1,0 +1,201 @@
+"""Kernels over symbolic sizes: what Dynamo marks dynamic (automatic dynamic, dynamic=True,
+mark_dynamic) stays symbolic in the kernels, so a model called at many lengths compiles a bounded
+number of graphs, matches eager every time and runs fused kernels every time."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fuser
+from fuser.launch import RegionKernel
+from tolerances import assert_close_to_eager
+
+transformers = pytest.importorskip("transformers")
+
+
+class Block(nn.Module):
+    """Norms, a gated MLP, a KV-cache append (cat), attention-like softmax over the cache length,
+    slices at both ends, row means: every kind of region over a varying length."""
+
+    def __init__(self, d=24):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.w = nn.Parameter(torch.randn(d))
+        self.up = nn.Linear(d, 2 * d)
+
+    def forward(self, x, past):
+        h = self.ln(x)
+        r = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        g, u = self.up(r).chunk(2, -1)
+        y = F.silu(g) * u
+        kv = torch.cat([past, y[:, -1:]], 1)
+        att = torch.softmax(y @ kv.transpose(1, 2) / 5.0, -1)
+        return att.sum(-1) + y.mean(-1), kv * 2, F.log_softmax(x[:, 1:], -1)
+
+
+def _forward_graphs(before: int) -> list:
+    return [r for r in fuser.reports()[before:] if not any("backward" in n for n in r.notes)]
+
+
+LENGTHS = [5, 7, 9, 12, 17, 3, 30, 11, 8, 21, 6, 14]
+
+
+@pytest.mark.parametrize("mode", ["default", "dynamic", "mark_dynamic"])
+def test_twelve_lengths_compile_at_most_three_graphs(mode, device):
+    torch.manual_seed(0)
+    model = Block().to(device)
+    compiled = torch.compile(model, backend="fuser", dynamic=True if mode == "dynamic" else None)
+    before = len(fuser.reports())
+    with torch.no_grad():
+        for t in LENGTHS:
+            x, past = torch.randn(2, t, 24, device=device), torch.randn(2, t + 2, 24, device=device)
+            if mode == "mark_dynamic":
+                torch._dynamo.mark_dynamic(x, 1)
+                torch._dynamo.mark_dynamic(past, 1)
+            assert_close_to_eager(compiled(x, past), model(x, past))
+            latest = fuser.last_report()
+            assert len(latest.regions) >= 4 and not latest.fallback, latest
+    graphs = _forward_graphs(before)
+    assert len(graphs) <= 3, [str(g) for g in graphs]
+    assert graphs[-1].regions[0].symbolic  # the last graph is generic over the length
+
+
+def test_fuse_thirteen_lengths_and_report_values_at_each_call(device):
+    """fuse() follows torch.compile: one generic recompile, not one per length.  The report gives
+    each region's bytes as a formula and its value at the sizes of the latest call."""
+    def chain(a, b):
+        return F.gelu(a + b) * 0.5 + a
+
+    fused = fuser.fuse(chain)
+    before = len(fuser.reports())
+    for t in range(3, 16):
+        a, b = torch.randn(3, t, 13, device=device), torch.randn(13, device=device)
+        assert_close_to_eager(fused(a, b), chain(a, b))
+        (r,) = fused.report.regions
+        assert r.bytes_fused == 4 * (2 * 3 * t * 13 + 13)  # a read and the result written once, b once
+        assert r.bytes_unfused > 3 * r.bytes_fused
+    assert len(_forward_graphs(before)) <= 4
+    assert r.symbolic and "over symbolic sizes" in str(fused.report)
+    assert "s" in str(r.bytes_fused_expr) and "(=" in r.source  # the header: formula (= value)
+
+
+def test_long_and_short_rows_of_one_symbolic_kernel(device):
+    """The persistent (row in registers) and looped variants of one kernel, chosen per call by the
+    row length; the same kernel serves both."""
+    def f(x):
+        return torch.softmax(x * 1.5, -1) - x.mean(-1, keepdim=True)
+
+    graphs = []
+    compiled = torch.compile(f, backend=_keeping(graphs), dynamic=True)
+    for n in (300, 17000, 301):
+        x = torch.randn(3, n, device=device)
+        assert_close_to_eager(compiled(x), f(x))
+    kernels = [m for g in graphs for m in g.modules() if isinstance(m, RegionKernel)]
+    assert kernels and {key[0] for k in kernels for key in k.variants} == {True, False}
+
+
+def test_non_contiguous_inputs_at_symbolic_sizes(device):
+    """An input whose strides are not the captured ones runs a variant that takes them as arguments."""
+    def f(x, y):
+        return torch.relu(x * 2 + y).sum(-1) + x.amax(-1)
+
+    graphs = []
+    compiled = torch.compile(f, backend=_keeping(graphs), dynamic=True)
+    x, y = torch.randn(6, 10, device=device), torch.randn(6, 10, device=device)
+    assert_close_to_eager(compiled(x, y), f(x, y))
+    (kernel,) = [m for g in graphs for m in g.modules() if isinstance(m, RegionKernel)]
+    assert kernel.symbols
+    xt = torch.randn(10, 7, device=device).t()  # [7, 10], column-major
+    sizes = [dict(zip(map(str, kernel.symbols), kernel.seen))[str(s)] for s in kernel.symbols]
+    sizes = [7 if v == 6 else v for v in sizes]
+    out = kernel(xt, torch.randn(7, 10, device=device), *sizes)[0]
+    assert out.shape == (7,)
+    assert any(key[2] for key in kernel.variants)  # the generic-strides variant ran
+
+
+def test_kernel_refuses_sizes_it_was_not_given(device):
+    graphs = []
+    compiled = torch.compile(lambda x: torch.exp(x) * 2 + 1, backend=_keeping(graphs), dynamic=True)
+    compiled(torch.randn(4, 9, device=device))
+    (kernel,) = [m for g in graphs for m in g.modules() if isinstance(m, RegionKernel)]
+    with pytest.raises(RuntimeError, match="made for"):
+        kernel(torch.randn(4, 9, device=device), *[v + 1 for v in kernel.seen])
+
+
+def test_a_reduction_over_an_empty_row_at_run_time(device):
+    """A symbolic row length that is 0 in one call: no kernel serves it (eager answers with an
+    identity or an error), so the graph runs as given for that call, and fused again after."""
+    from fuser.backend import GraphRunner
+    from fuser.launch import NotForTheseSizes
+    from fuser.report import FusionReport
+
+    def f(x):
+        return (x[:, 2:] * 2).sum(-1) + 1
+
+    graphs = []
+    compiled = torch.compile(f, backend=_keeping(graphs), dynamic=True)
+    x = torch.randn(5, 7, device=device)
+    assert_close_to_eager(compiled(x), f(x))
+    (kernel,) = [m for g in graphs for m in g.modules() if isinstance(m, RegionKernel)]
+    sizes = {str(s): v for s, v in kernel.seen_sizes().items()}
+    empty = torch.randn(5, 2, device=device)
+    with pytest.raises(NotForTheseSizes):
+        kernel(empty, *[2 if v == 7 else v for v in sizes.values()])
+
+    calls = []
+    def fused(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise NotForTheseSizes("a reduction over 0 elements")
+        return ("fused",)
+
+    runner = GraphRunner(fused, lambda *args: ("given",), FusionReport())
+    assert runner(1) == ("given",) and runner(2) == ("fused",) and not runner.report.fallback
+    for n in (7, 2, 9):  # end to end (Dynamo guards the slice's length: a graph of its own for n = 2)
+        x = torch.randn(5, n, device=device)
+        assert_close_to_eager(compiled(x), f(x))
+
+
+def test_training_with_batches_of_changing_length(device):
+    torch.manual_seed(0)
+    model = Block().to(device)
+    twin = Block().to(device)
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="fuser")
+    before = len(fuser.reports())
+    for t in (5, 8, 11, 4):
+        x, past = torch.randn(2, t, 24, device=device), torch.randn(2, t + 2, 24, device=device)
+        losses = [sum(o.pow(2).mean() for o in m(x, past)) for m in (compiled, twin)]
+        for loss in losses:
+            loss.backward()
+        assert_close_to_eager(losses[0], losses[1])
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert_close_to_eager(p.grad, q.grad, scale=10)  # fp32 sums over rows in another order
+            p.grad = q.grad = None
+    reports = fuser.reports()[before:]
+    assert len(reports) <= 4 and all(r.regions and not r.fallback for r in reports)
+    assert any("backward" in n for r in reports for n in r.notes)
+
+
+def test_hf_llama_at_several_lengths(device):
+    """The reported crash: a tiny LLaMA called with a second sequence length."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).to(device).eval()
+    compiled = torch.compile(model, backend="fuser")
+    before = len(fuser.reports())
+    with torch.no_grad():
+        for t in (5, 8, 11, 13):
+            ids = torch.randint(0, 97, (2, t), device=device)
+            assert_close_to_eager(compiled(ids).logits, model(ids).logits, scale=10)
+            latest = fuser.last_report()
+            assert not latest.fallback and any(r.kind == "attention" for r in latest.regions), latest
+    assert len(_forward_graphs(before)) <= 2
+
+
+def _keeping(graphs: list):
+    """The fuser backend, keeping each rewritten graph (to reach its kernels)."""
+    from fuser import backend
+    return backend.make_backend(lambda report, gm: graphs.append(gm))
+
