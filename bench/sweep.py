@@ -16,7 +16,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fuser  # noqa: E402
 import fuser.launch as launch_mod  # noqa: E402
-from fuser.codegen.blocks import BlockPlan, block_plan  # noqa: E402
+from fuser.plan import BlockPlan, block_plan  # noqa: E402
 from fuser.launch import RegionKernel  # noqa: E402
 
 

@@ -14,7 +14,7 @@ from torch._dynamo.exc import RestartAnalysis, SkipFrame
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from .capture import compile_graph
+from .pipeline import compile_graph
 from .decompositions import decompositions
 from .launch import EagerCheckError, NotForTheseSizes
 from .report import FusionReport

@@ -15,8 +15,8 @@ import torch
 
 from . import indexing as ix
 from .graph import ComputeGraph, is_generator, meta, numel
+from .plan import block_plan  # one place picks block sizes
 from .region import Region
-from fuser.codegen.blocks import block_plan  # one place picks block sizes
 
 HBM_BYTES_PER_S = 3.0e12   # about what an H100/H200 copy moves; only ratios matter for decisions
 LAUNCH_S = 4e-6            # one eager kernel launch (and its gap) on a GPU

@@ -17,7 +17,6 @@ import sympy
 import torch
 
 from fuser.codegen.attention import attention_source, flash_attention
-from fuser.codegen.blocks import block_plan
 from fuser.codegen.compile import Launcher, load, target
 from fuser.codegen.kernel import KernelSource, TensorSig, generate
 from fuser.codegen.score_mod import score_mod
@@ -25,6 +24,7 @@ from fuser.patterns.attention import causal_offset
 from . import indexing as ix
 from .cost import region_cost
 from .graph import is_size, meta, shape
+from .plan import block_plan
 from .region import Region, persistent_at
 
 WIDE = 2**31  # offsets from here on need 64-bit index math

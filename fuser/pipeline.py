@@ -1,9 +1,7 @@
-"""Capture: Dynamo + AOT Autograd hand us ATen graphs with a fake tensor on every node.
+"""The pipeline on one ATen graph: patterns -> partition -> cost -> codegen -> rewrite -> report.
 
-Dynamo takes models as users call them (ModelOutput, caches, Python control flow: a graph break
-leaves that piece to eager).  AOT Autograd lowers each graph to ATen, decomposing the ops we fuse
-(fuser/decompositions.py) into the primitives our op table lowers, and hands the
-backward graph to the same pipeline.  `compile_graph` is the pipeline on one ATen graph.
+Capture (Dynamo + AOT Autograd, fuser/backend.py) hands it an ATen graph with a fake tensor on every
+node, sizes symbolic where Dynamo made them so; forward and backward graphs alike come here.
 """
 from __future__ import annotations
 

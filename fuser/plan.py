@@ -1,4 +1,4 @@
-"""Block sizes and warps for a region's kernel, by its shape and the device it runs on.
+"""Launch configs: block sizes and warps for a region's kernel, by its sizes and the device it runs on.
 
 One place decides them, so the cost model's occupancy estimate and the emitted kernel agree.
 On CPU the interpreter runs each program in numpy: few, large programs are fastest there.
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import triton
 
-from fuser.region import persistent_at
+from .region import persistent_at
 
 
 @dataclass(frozen=True)
