@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .compile import interpreting, load, math_import, run_interpreted, target
+from fuser.dtypes import interpreting, target
+
+from .compile import load, math_import, run_interpreted
 
 __all__ = ["ScoreMod", "attention_source", "flash_attention"]
 

@@ -13,7 +13,6 @@ process can run both kinds.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import importlib.util
 import os
@@ -26,34 +25,16 @@ from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from fuser.dtypes import interpreted, interpreting  # noqa: F401 - the backend kernels are made for
+
 _loaded: dict[tuple, object] = {}
 _lock = threading.Lock()
-_target_interpreted = contextvars.ContextVar("fuser_interpreted", default=False)
 
 
 def cache_dir() -> str:
     path = os.environ.get("FUSER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fuser")
     os.makedirs(path, exist_ok=True)
     return path
-
-
-def interpreted(device_type: str) -> bool:
-    return device_type == "cpu"
-
-
-def interpreting() -> bool:
-    """Whether the source being generated now is for the interpreter (see `target`)."""
-    return _target_interpreted.get()
-
-
-@contextlib.contextmanager
-def target(device_type: str):
-    """Generate (and load, and run) kernels for this device: the interpreter on CPU, else compiled."""
-    token = _target_interpreted.set(interpreted(device_type))
-    try:
-        yield
-    finally:
-        _target_interpreted.reset(token)
 
 
 def math_import(source: str) -> str:

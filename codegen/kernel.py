@@ -20,7 +20,9 @@ from fuser import ops
 from fuser.graph import is_generator, is_size, meta, shape
 from fuser.region import PERSISTENT_MAX_R, Region
 
-from .compile import interpreting, math_import, target
+from fuser.dtypes import TL_DTYPE, compute_dtype, convert, interpreting, literal, target
+
+from .compile import math_import
 
 X = sympy.Symbol("x", integer=True, nonnegative=True)
 R = sympy.Symbol("r", integer=True, nonnegative=True)
@@ -81,24 +83,24 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
     `operand(a)` names the variable holding tensor operand a (dtypes maps variables to theirs); the
     operands are converted to the op's compute dtype, and a cast rounds to its target dtype."""
     out_dt = meta(n).dtype
-    op_dt = ops.compute_dtype(_promote(n.args) if kind.promote_inputs else out_dt)
+    op_dt = compute_dtype(_promote(n.args) if kind.promote_inputs else out_dt)
     rendered = []
     for pos, a in enumerate(n.args):
         if isinstance(a, torch.fx.Node) and is_generator(n):
             rendered.append(None)  # full_like reads its operand's shape, which the kernel already has
         elif is_size(a):
-            rendered.append(ops.literal(a))
+            rendered.append(literal(a))
         elif isinstance(a, torch.fx.Node) and meta(a) is not None:
             v = operand(a)
             keep = kind.cast or (meta(a).dtype == torch.bool and pos in kind.bool_args)
             rendered.append(v if keep else convert(v, dtypes[v], op_dt))
         elif isinstance(a, (bool, int, float)):
-            rendered.append(ops.literal(a))
+            rendered.append(literal(a))
         else:
             rendered.append(a)
     args = ops.Args(n, rendered, index)
     expr, checks = kind.fmt(args), kind.checks(args) if kind.checks else []
-    res_dt = ops.compute_dtype(out_dt)
+    res_dt = compute_dtype(out_dt)
     if kind.cast:
         src_dt = meta(n.args[0]).dtype
         held = dtypes.get(rendered[0], op_dt)
@@ -110,23 +112,6 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
     if kind.promote_inputs:
         return (expr, torch.bool, checks) if out_dt == torch.bool else (convert(expr, op_dt, res_dt), res_dt, checks)
     return expr, res_dt, checks
-
-
-def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
-    if src == dst:
-        return expr
-    if dst == torch.bool:
-        return f"({expr} != 0)"
-    if dst in (torch.float16, torch.bfloat16):
-        if src == torch.float64:  # eager rounds a double to float first (c10's Half/BFloat16 take a float)
-            expr, src = f"{expr}.to(tl.float32)", torch.float32
-        if not src.is_floating_point:  # ints reach 16-bit floats through fp32 (the interpreter would bit-cast)
-            expr, src = f"{expr}.to(tl.float32)", torch.float32
-        if dst == torch.bfloat16 and src == torch.float32 and interpreting():
-            return f"_rne_bf16({expr})"  # the interpreter truncates fp32 -> bf16 whatever it is asked
-        if src.itemsize > dst.itemsize:
-            return f'{expr}.to({ops.TL_DTYPE[dst]}, fp_downcast_rounding="rtne")'
-    return f"{expr}.to({ops.TL_DTYPE[dst]})"
 
 
 class KernelWriter:
@@ -241,7 +226,7 @@ class KernelWriter:
                 addr = f"{addr} + 0 * {var}"
         masked = "" if mask == "None" else f", mask={mask}, other=0"
         raw = f"tl.load({self.ptr[n]} + ({addr}){masked})"
-        cdt = ops.compute_dtype(sig.dtype)
+        cdt = compute_dtype(sig.dtype)
         return self.new(convert(raw, sig.dtype, cdt), cdt)
 
     def _inline(self, n, idx, cond) -> str:
@@ -263,7 +248,7 @@ class KernelWriter:
         self._check(ops.Check(valid, f"gather: index out of bounds for dimension {dim} with size {size}"), cond)
         src_idx = tuple(sym if d == dim else i for d, i in enumerate(idx))
         v = self.value(src, src_idx, f"({cond}) & {valid}" if cond else valid)
-        cdt = ops.compute_dtype(meta(n).dtype)
+        cdt = compute_dtype(meta(n).dtype)
         return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
 
     def _check(self, check: ops.Check, cond):
@@ -288,11 +273,11 @@ class KernelWriter:
         if kind.indirect:
             return self._gather(n, idx, cond)
         branches, other = kind.index_map(n, idx, self.ranges)
-        cdt = ops.compute_dtype(meta(n).dtype)
+        cdt = compute_dtype(meta(n).dtype)
         if len(branches) == 1 and branches[0][2] is None and other is None:  # a pure index map
             v = self.value(branches[0][0], branches[0][1], cond)
             return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
-        result = None if other is None else ops.literal(other)  # cat: the last branch is the fallback
+        result = None if other is None else literal(other)  # cat: the last branch is the fallback
         for src, src_idx, bounds in reversed(branches):
             if bounds is not None and not isinstance(bounds[0], tuple):
                 bounds = (bounds,)
@@ -375,9 +360,9 @@ class KernelWriter:
         """Persistent: reduce the row held in registers.  Looped: see `_loop_reduction`."""
         combine = self.cg.info[n].combine
         v = self._reduction_input(n)
-        out_dt = ops.compute_dtype(self._out_dtype(n))
+        out_dt = compute_dtype(self._out_dtype(n))
         if combine in ("sum", "var"):
-            acc_dt = out_dt if combine == "sum" else ops.compute_dtype(meta(n.args[0]).dtype)
+            acc_dt = out_dt if combine == "sum" else compute_dtype(meta(n.args[0]).dtype)
             v = convert(v, self.dtypes[v], acc_dt)
             s = self.new(f"tl.sum(tl.where(rmask, {v}, 0), 1)[:, None]", acc_dt)
             if combine == "sum":
@@ -454,11 +439,11 @@ class KernelWriter:
             for n, part in items:
                 combine = "sum" if part == "mean" else self.cg.info[n].combine
                 dt = torch.float64 if meta(n.args[0]).dtype == torch.float64 else (
-                    ops.compute_dtype(self._out_dtype(n)) if combine == "sum" else ops.compute_dtype(meta(n.args[0]).dtype))
+                    compute_dtype(self._out_dtype(n)) if combine == "sum" else compute_dtype(meta(n.args[0]).dtype))
                 ident = "0" if combine in ("sum", "var", "any") else _identity(combine, dt)
                 acc = f"acc{self.count}"
                 self.count += 1
-                tl_dt = ops.TL_DTYPE[torch.int32 if combine == "any" else dt]
+                tl_dt = TL_DTYPE[torch.int32 if combine == "any" else dt]
                 width = "1" if n in online or n in online.values() else "RBLOCK"  # online pairs: per row
                 self.emit(f"{acc} = tl.full([XBLOCK, {width}], {ident}, {tl_dt})")
                 accs.append((n, part, combine, acc, dt))
@@ -486,7 +471,7 @@ class KernelWriter:
                         self.emit(f"{acc} = tl.maximum({acc}, tl.where(rmask & ({v} != 0), 1, 0))")
             self._loop(body)
             for n, part, combine, acc, dt in accs:
-                out_dt = ops.compute_dtype(self._out_dtype(n))
+                out_dt = compute_dtype(self._out_dtype(n))
                 if part == "mean":
                     s = self.new(f"tl.sum({acc}, 1)[:, None]", dt)
                     self.reduced[(n, 1)] = self.new(f"{s} / {self._float(self.space.r)}", dt)

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from . import indexing as ix
 from . import ops
+from .dtypes import TL_DTYPE
 
 aten = torch.ops.aten
 GENERATORS = {aten.full, aten.full_like, aten.scalar_tensor, aten.arange}
@@ -89,7 +90,7 @@ class ComputeGraph:
                 return ops.classify(n)
             return ops.Opaque("its result is not a single tensor")
         v = meta(n)
-        if v.dtype.is_complex or v.dtype not in ops.TL_DTYPE:
+        if v.dtype.is_complex or v.dtype not in TL_DTYPE:
             return ops.Opaque(f"dtype {v.dtype} has no Triton lowering here")
         if v.device.type not in ("cuda", "cpu"):
             return ops.Opaque(f"device {v.device.type} is not supported")
@@ -102,7 +103,7 @@ class ComputeGraph:
                     continue  # a symbolic int: the kernel takes its value as an argument
                 if meta(a) is None:
                     return ops.Opaque("an operand is not a tensor")
-                if meta(a).dtype not in ops.TL_DTYPE:
+                if meta(a).dtype not in TL_DTYPE:
                     return ops.Opaque(f"operand dtype {meta(a).dtype} has no Triton lowering here")
                 if meta(a).device != v.device and meta(a).dim() > 0:
                     return ops.Opaque("operands on another device")

@@ -14,7 +14,6 @@ they provably hold; where not, the general form stays (correct, maybe slower).
 """
 from __future__ import annotations
 
-import math
 
 import sympy
 import torch

@@ -17,7 +17,8 @@ import sympy
 import torch
 
 from fuser.codegen.attention import attention_source, flash_attention
-from fuser.codegen.compile import Launcher, load, target
+from fuser.codegen.compile import Launcher, load
+from fuser.dtypes import target
 from fuser.codegen.kernel import KernelSource, TensorSig, generate
 from fuser.codegen.score_mod import score_mod
 from fuser.patterns.attention import causal_offset

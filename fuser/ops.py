@@ -21,41 +21,12 @@ import sympy
 import torch
 
 from . import indexing as ix
+from .dtypes import convert, literal
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 # ----------------------------------------------------------------------------- dtypes
-
-TL_DTYPE = {
-    torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
-    torch.float64: "tl.float64", torch.int8: "tl.int8", torch.uint8: "tl.uint8",
-    torch.int16: "tl.int16", torch.int32: "tl.int32", torch.int64: "tl.int64", torch.bool: "tl.int1",
-}
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Kernels hold 16-bit floats in fp32 (accumulate in fp32, round once at the output)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def literal(v) -> str:
-    """A Python scalar as Triton source; a symbolic int (a size node) as the size expression, whose
-    symbols the kernel takes as arguments."""
-    if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.SymInt):
-        return f"({ix.texpr(ix.expr(v.meta['val']))})"
-    if isinstance(v, bool):
-        return "True" if v else "False"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return 'float("nan")'
-        if math.isinf(v):
-            return 'float("inf")' if v > 0 else '-float("inf")'
-        return repr(v)
-    if isinstance(v, int):
-        return str(v)
-    raise TypeError(f"no Triton literal for {v!r}")
-
 
 # ----------------------------------------------------------------------------- op kinds
 
@@ -117,7 +88,6 @@ class Args:
 
     def round_to(self, expr: str, dtype: torch.dtype) -> str:
         """An fp32 expression rounded to `dtype` and held in fp32 again (codegen knows how, per backend)."""
-        from fuser.codegen.kernel import convert
         return convert(convert(expr, torch.float32, dtype), dtype, torch.float32)
 
 

@@ -1,0 +1,84 @@
+"""Dtypes in kernels: the Triton name of each torch dtype, the dtype values are held in, conversions
+and literals as Triton source.
+
+The source of a conversion depends on the backend it is for (Triton's interpreter truncates fp32 to
+bf16, compiled Triton rounds), so the backend is part of the context the source is generated in:
+`target(device_type)`, read by `interpreting()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+
+import torch
+
+from . import indexing as ix
+
+_target_interpreted = contextvars.ContextVar("fuser_interpreted", default=False)
+
+
+def interpreted(device_type: str) -> bool:
+    return device_type == "cpu"
+
+
+def interpreting() -> bool:
+    """Whether the source being generated now is for the interpreter (see `target`)."""
+    return _target_interpreted.get()
+
+
+@contextlib.contextmanager
+def target(device_type: str):
+    """Generate (and load, and run) kernels for this device: the interpreter on CPU, else compiled."""
+    token = _target_interpreted.set(interpreted(device_type))
+    try:
+        yield
+    finally:
+        _target_interpreted.reset(token)
+
+
+TL_DTYPE = {
+    torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
+    torch.float64: "tl.float64", torch.int8: "tl.int8", torch.uint8: "tl.uint8",
+    torch.int16: "tl.int16", torch.int32: "tl.int32", torch.int64: "tl.int64", torch.bool: "tl.int1",
+}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Kernels hold 16-bit floats in fp32 (accumulate in fp32, round once at the output)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def literal(v) -> str:
+    """A Python scalar as Triton source; a symbolic int (a size node) as the size expression, whose
+    symbols the kernel takes as arguments."""
+    if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.SymInt):
+        return f"({ix.texpr(ix.expr(v.meta['val']))})"
+    if isinstance(v, bool):
+        return "True" if v else "False"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return 'float("nan")'
+        if math.isinf(v):
+            return 'float("inf")' if v > 0 else '-float("inf")'
+        return repr(v)
+    if isinstance(v, int):
+        return str(v)
+    raise TypeError(f"no Triton literal for {v!r}")
+
+
+def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
+    if src == dst:
+        return expr
+    if dst == torch.bool:
+        return f"({expr} != 0)"
+    if dst in (torch.float16, torch.bfloat16):
+        if src == torch.float64:  # eager rounds a double to float first (c10's Half/BFloat16 take a float)
+            expr, src = f"{expr}.to(tl.float32)", torch.float32
+        if not src.is_floating_point:  # ints reach 16-bit floats through fp32 (the interpreter would bit-cast)
+            expr, src = f"{expr}.to(tl.float32)", torch.float32
+        if dst == torch.bfloat16 and src == torch.float32 and interpreting():
+            return f"_rne_bf16({expr})"  # the interpreter truncates fp32 -> bf16 whatever it is asked
+        if src.itemsize > dst.itemsize:
+            return f'{expr}.to({TL_DTYPE[dst]}, fp_downcast_rounding="rtne")'
+    return f"{expr}.to({TL_DTYPE[dst]})"
