@@ -15,9 +15,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fuser  # noqa: E402
-import fuser.launch as launch_mod  # noqa: E402
+import fuser.runtime as runtime  # noqa: E402
 from fuser.plan import BlockPlan, block_plan  # noqa: E402
-from fuser.launch import RegionKernel  # noqa: E402
+from fuser.runtime import RegionKernel  # noqa: E402
 
 
 def rmsnorm(x, w):
@@ -65,7 +65,7 @@ def sweep(name, fn, inputs, copy_bw):
             programs = triton.cdiv(max(rows, 1), plan.xblock)
             return BlockPlan(plan.xblock, plan.rblock if r is not None else 1, plan.num_warps,
                              programs, base.persistent)
-        launch_mod.block_plan = forced
+        runtime.block_plan = forced
         torch._dynamo.reset()
         fused = fuser.fuse(fn)
         fused(*inputs)
@@ -77,7 +77,7 @@ def sweep(name, fn, inputs, copy_bw):
         print(f"{name:10s} XBLOCK={plan.xblock:5d} RBLOCK={plan.rblock:5d} warps={plan.num_warps:2d}  "
               f"module {ms:.3f} ms ({moved / ms / 1e6 / copy_bw:5.1%})  bare kernel {bare:.3f} ms "
               f"({moved / bare / 1e6 / copy_bw:5.1%})", flush=True)
-    launch_mod.block_plan = block_plan
+    runtime.block_plan = block_plan
 
 
 def _direct(k):

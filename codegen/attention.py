@@ -2,7 +2,7 @@
 
 The attention recogniser hands over what sits between ``Q @ K^T`` and ``softmax`` (scaling, masks, biases,
 soft-capping) as a :class:`ScoreMod`; :func:`attention_source` splices it into one fused kernel so the
-``M x N`` score matrix never reaches HBM.  Compiled and cached like every other kernel (`compile.load`).
+``M x N`` score matrix never reaches HBM.  `prepare` is the host side of a launch; the runtime loads and launches.
 """
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from fuser.dtypes import interpreting, target
+from fuser.dtypes import interpreting, math_import
+from fuser.plan import attention_plan
 
-from .compile import load, math_import, run_interpreted
-
-__all__ = ["ScoreMod", "attention_source", "flash_attention"]
+__all__ = ["ScoreMod", "attention_source", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -201,31 +200,13 @@ def attention_fwd(
 '''
 
 
-def _config(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages).
-
-    GPU: the fastest of a sweep on H100 (Triton 3.6; B=4, H=16, S=2048, non-causal); every pick fits Hopper's
-    227 KiB of shared memory.  fp32 dots are IEEE, on FMA units rather than tensor cores, so they want tiles small
-    enough to keep the fp32 accumulator in registers (larger ones spill: 128x32 at D=128 ran 14x slower).
-    CPU (interpreter): small tiles keep the numpy emulation fast and still exercise several blocks.
-    """
-    if not on_gpu:
-        return 16, 16, 1, 1
-    if dtype == torch.float32:
-        if head_dim <= 64:
-            return 128, 32, 4, 2
-        return (32, 64, 4, 2) if head_dim <= 128 else (32, 32, 4, 2)
-    if head_dim <= 64:
-        return 128, 64, 8, 3
-    return (64, 64, 4, 3) if head_dim <= 128 else (128, 64, 8, 2)
-
-
-def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extras: tuple = (), return_lse: bool = False):
-    """``softmax(mod(q @ k^T * scale)) @ v`` in one kernel; returns ``out`` or ``(out, lse)``.
+def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse: bool = False):
+    """Host side of one launch of ``attention_source(mod, D, dtype)``: checks the operands, allocates the output
+    (and the LSE) and gives ``(out, lse, grid, args, meta)``; the runtime loads the kernel and launches it.
 
     q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] with Hq % Hkv == 0; any strides.  ``extras`` are broadcastable to
     [B, Hq, M, N] and read in place (broadcast dims get stride 0).  Out: q's dtype, contiguous [B, Hq, M, D];
-    lse: fp32 [B, Hq, M].
+    lse: fp32 [B, Hq, M].  Computes ``softmax(mod(q @ k^T * scale)) @ v``.
     """
     B, Hq, M, D = q.shape
     Bk, Hkv, N, Dk = k.shape
@@ -235,14 +216,9 @@ def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extr
         raise TypeError("attention: q, k, v must share a dtype")
     if len(extras) != mod.n_extra:
         raise ValueError(f"attention: score mod wants {mod.n_extra} extra tensor(s), got {len(extras)}")
-
-    with target(q.device.type):
-        kernel = load(attention_source(mod, D, q.dtype), "attention_fwd", q.device.type)
-    block_m, block_n, num_warps, num_stages = _config(D, q.dtype, q.is_cuda)
+    block_m, block_n, num_warps, num_stages = attention_plan(D, q.dtype, q.is_cuda)
     # fp32 inputs: tf32 only where torch's matmul would use it too; 16-bit inputs ignore it (tf32 is Triton's default).
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    precision = "ieee" if ieee else "tf32"
-
     out = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, M) if return_lse else (0,), dtype=torch.float32, device=q.device)
     extra_args = []
@@ -252,10 +228,6 @@ def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extr
     grid = (triton.cdiv(M, block_m), B * Hq)
     args = (q, k, v, out, lse, *extra_args, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             Hq, Hq // Hkv, M, N, float(scale))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision, STORE_LSE=return_lse,
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32", STORE_LSE=return_lse,
                 num_warps=num_warps, num_stages=num_stages)
-    if q.is_cuda:
-        kernel[grid](*args, **meta)
-    else:
-        run_interpreted(kernel, grid, *args, **meta)
-    return (out, lse) if return_lse else out
+    return out, (lse if return_lse else None), grid, args, meta

@@ -1,7 +1,7 @@
 """CUDA libdevice's functions for kernels run by Triton's interpreter, which cannot call libdevice.
 
 A kernel that calls `libdevice.<name>(...)` imports this module under that name when it is
-interpreted (codegen/compile.py `math_import`). Each function takes the interpreter's tensors (numpy
+interpreted (fuser/dtypes.py `math_import`). Each function takes the interpreter's tensors (numpy
 arrays inside) or Python scalars, computes in float64 with torch, and returns a tensor of the first
 tensor operand's Triton type, as libdevice would (nextafter, which steps one ulp, in that type's own
 precision).

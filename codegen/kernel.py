@@ -20,9 +20,8 @@ from fuser import ops
 from fuser.graph import is_generator, is_size, meta, shape
 from fuser.region import PERSISTENT_MAX_R, Region
 
-from fuser.dtypes import TL_DTYPE, compute_dtype, convert, interpreting, literal, target
+from fuser.dtypes import TL_DTYPE, compute_dtype, convert, interpreting, literal, math_import, target
 
-from .compile import math_import
 
 X = sympy.Symbol("x", integer=True, nonnegative=True)
 R = sympy.Symbol("r", integer=True, nonnegative=True)
@@ -30,22 +29,6 @@ R = sympy.Symbol("r", integer=True, nonnegative=True)
 
 class CodegenError(Exception):
     """The region cannot be emitted as one kernel; the caller leaves it to eager."""
-
-
-@dataclass(frozen=True)
-class TensorSig:
-    """Shape and strides: ints, or sympy expressions in the graph's size symbols (and, for an input
-    of a generic-strides variant, in symbols naming its strides, passed at launch)."""
-    shape: tuple
-    stride: tuple
-    dtype: torch.dtype
-
-    @staticmethod
-    def of(t: torch.Tensor) -> "TensorSig":
-        """A real tensor's signature in ints; a fake one's in expressions."""
-        if any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride())):
-            return TensorSig(ix.shape_of(t), ix.stride_of(t), t.dtype)
-        return TensorSig(tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 @dataclass
@@ -623,7 +606,7 @@ def _value(e, hint) -> str:
     return str(int(e)) if e.is_Integer else f"{e} (= {hint(e)})"
 
 
-def generate(region: Region, inputs: list, outputs: list, device_type: str, name: str, *,
+def generate(region: Region, inputs: list, outputs: list, *, device_type: str, name: str,
              persistent: bool, wide: bool, cost) -> KernelSource:
     with target(device_type):
         return KernelWriter(region, inputs, outputs, device_type, name, persistent, wide, cost).generate()

@@ -16,7 +16,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .pipeline import compile_graph
 from .decompositions import decompositions
-from .launch import EagerCheckError, NotForTheseSizes
+from .runtime import EagerCheckError, NotForTheseSizes
 from .report import FusionReport
 
 log = logging.getLogger("fuser")

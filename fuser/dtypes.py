@@ -3,7 +3,7 @@ and literals as Triton source.
 
 The source of a conversion depends on the backend it is for (Triton's interpreter truncates fp32 to
 bf16, compiled Triton rounds), so the backend is part of the context the source is generated in:
-`target(device_type)`, read by `interpreting()`.
+`target(device_type)`, read by `interpreting()`; so is where math functions come from (`math_import`).
 """
 from __future__ import annotations
 
@@ -82,3 +82,14 @@ def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
         if src.itemsize > dst.itemsize:
             return f'{expr}.to({TL_DTYPE[dst]}, fp_downcast_rounding="rtne")'
     return f"{expr}.to({TL_DTYPE[dst]})"
+
+
+def math_import(source: str) -> str:
+    """The import a kernel module needs for the `libdevice.<fn>` calls in `source`: CUDA's libdevice
+    when compiled; in the interpreter (which cannot call libdevice) the same names computed by torch
+    on the CPU tensors' values (fuser/codegen/interp_math.py)."""
+    if "libdevice." not in source:
+        return ""
+    if interpreting():
+        return "from fuser.codegen import interp_math as libdevice\n"
+    return "from triton.language.extra import libdevice\n"

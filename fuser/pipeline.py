@@ -8,14 +8,23 @@ from __future__ import annotations
 import logging
 import operator
 
+import functools
+
 import sympy
 import torch
 import torch.fx as fx
 
+from fuser.codegen import attention as attention_codegen
+from fuser.codegen.kernel import CodegenError, generate
+from fuser.codegen.score_mod import score_mod
+from fuser.patterns.attention import causal_offset, find
+
 from . import ops
 from .cost import eager_cost, tensor_bytes
+from .dtypes import target
+from .graph import meta, shape
 from .graph import ComputeGraph
-from .launch import AttentionKernel, RegionKernel
+from .runtime import AttentionKernel, RegionKernel
 from .partition import Partitioner
 from .report import FusionReport, RegionReport, Unfused
 from .rewrite import Unbound, bind_sizes, rewrite
@@ -32,9 +41,6 @@ def _describe(n) -> str:
 def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = True) -> tuple[fx.GraphModule, FusionReport]:
     """Recognise attention, partition the rest, emit a kernel per region, rewrite.  What cannot be
     emitted stays eager, with the reason."""
-    from fuser.codegen.kernel import CodegenError
-    from fuser.patterns.attention import find
-
     cg = ComputeGraph(gm.graph)
     attentions = find(gm.graph, cg) if attention else []
     taken = {n for a in attentions for n in a.nodes}
@@ -43,14 +49,16 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = Tr
     hints = dict(cg.sizes.hints)
     bound, made = {}, {}
     for a in attentions:
-        kernel = AttentionKernel(a, cg, f"attention_{a.id}")
+        kernel = _attention_kernel(a, cg, f"attention_{a.id}")
         units.append(a)
         kernels.append(kernel)
         report.regions.append(_attention_report(a, cg, kernel, graph_index, len(report.regions), hints))
     for region in part.partition():
         cost = part.cost(region)
         try:
-            kernel = RegionKernel(region, f"fused_{region.id}", cost)
+            name = f"fused_{region.id}"
+            kernel = RegionKernel(region, name, functools.partial(
+                generate, region, device_type=meta(region.outputs[0]).device.type, name=name, cost=cost))
             bound[region] = bind_sizes(gm.graph, kernel.symbols, made)
         except (CodegenError, Unbound) as e:
             dropped += [(n, f"codegen: {e}") for n in region.nodes]
@@ -78,6 +86,16 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = Tr
     new = rewrite(gm, units, kernels, bound) if units else gm
     report.code.append(new.code)
     return new, report
+
+
+def _attention_kernel(att, cg, name: str) -> AttentionKernel:
+    """The flash-attention kernel of a recognised attention, its score chain as the score mod."""
+    with target(meta(att.q).device.type):
+        mod = score_mod(att.scores, att.chain, att.extras, cg, causal_offset(att, cg))
+        source = attention_codegen.attention_source(mod, int(shape(att.q)[-1]), meta(att.q).dtype)
+    return AttentionKernel(name, source, functools.partial(attention_codegen.prepare, mod=mod),
+                           tuple(shape(n) for n in att.inputs), tuple(meta(n).dtype for n in att.inputs),
+                           meta(att.out).dtype, "score mod: " + "; ".join(mod.lines))
 
 
 def _attention_report(a, cg, kernel, graph_index, rid, hints) -> RegionReport:

@@ -1,14 +1,17 @@
-"""Launch configs: block sizes and warps for a region's kernel, by its sizes and the device it runs on.
+"""Launch configs: block sizes and warps for a region's kernel (by its sizes and the device it runs
+on) and for the attention kernel, and the signature (shapes, strides, dtype) a kernel is made for.
 
-One place decides them, so the cost model's occupancy estimate and the emitted kernel agree.
+One place decides them, so the cost model's occupancy estimate and the launched kernel agree.
 On CPU the interpreter runs each program in numpy: few, large programs are fastest there.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 
+from . import indexing as ix
 from .region import persistent_at
 
 
@@ -38,3 +41,38 @@ def block_plan(rows: int, r: int | None, device_type: str) -> BlockPlan:
         return BlockPlan(xblock, rblock, warps, triton.cdiv(rows, xblock), True)
     rblock = 8192 if cpu else 4096  # H200 sweep (bench/notes.md): 4096 x 8 warps beat 2048 and 8192
     return BlockPlan(1, rblock, 8, rows, False)
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    """Shape and strides: ints, or sympy expressions in the graph's size symbols (and, for an input
+    of a generic-strides variant, in symbols naming its strides, passed at launch)."""
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorSig":
+        """A real tensor's signature in ints; a fake one's in expressions."""
+        if any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride())):
+            return TensorSig(ix.shape_of(t), ix.stride_of(t), t.dtype)
+        return TensorSig(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def attention_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages).
+
+    GPU: the fastest of a sweep on H100 (Triton 3.6; B=4, H=16, S=2048, non-causal); every pick fits Hopper's
+    227 KiB of shared memory.  fp32 dots are IEEE, on FMA units rather than tensor cores, so they want tiles small
+    enough to keep the fp32 accumulator in registers (larger ones spill: 128x32 at D=128 ran 14x slower).
+    CPU (interpreter): small tiles keep the numpy emulation fast and still exercise several blocks.
+    """
+    if not on_gpu:
+        return 16, 16, 1, 1
+    if dtype == torch.float32:
+        if head_dim <= 64:
+            return 128, 32, 4, 2
+        return (32, 64, 4, 2) if head_dim <= 128 else (32, 32, 4, 2)
+    if head_dim <= 64:
+        return 128, 64, 8, 3
+    return (64, 64, 4, 3) if head_dim <= 128 else (128, 64, 8, 2)

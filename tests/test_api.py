@@ -1,4 +1,5 @@
 """The public API: fuse(), the report, the backend name, and clear errors on bad input."""
+import functools
 import json
 import os
 import subprocess
@@ -11,8 +12,10 @@ import torch.nn.functional as F
 import fuser
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fuser.codegen.kernel import generate
+from fuser.cost import region_cost
 from fuser.decompositions import decompositions
-from fuser.launch import RegionKernel
+from fuser.runtime import RegionKernel
 from fuser.partition import Partitioner
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -56,7 +59,8 @@ def test_kernel_refuses_other_shapes(device):
     a, b = torch.randn(37, 53, device=device), torch.randn(53, device=device)
     gm = make_fx(chain, decomposition_table=decompositions(), tracing_mode="fake")(a, b)
     (region,) = Partitioner(gm.graph).partition()
-    kernel = RegionKernel(region, "fused_0")
+    kernel = RegionKernel(region, "fused_0", functools.partial(
+        generate, region, device_type=device, name="fused_0", cost=region_cost(region)))
     torch.testing.assert_close(kernel(a, b)[0], chain(a, b), **TOL)
     with pytest.raises(RuntimeError, match="made for"):
         kernel(torch.randn(38, 53, device=device), b)
@@ -129,7 +133,7 @@ def test_capture_failure_falls_back(monkeypatch, caplog):
 def test_kernel_failure_at_run_time_falls_back(monkeypatch, caplog, device):
     """A kernel that fails at its first launch (say, Triton cannot compile it): the graph as given
     runs instead, now and on later calls; the report says why."""
-    import fuser.launch as launch
+    import fuser.runtime as launch
 
     def broken(self, *inputs):
         raise TypeError("synthetic kernel failure")

@@ -13,10 +13,9 @@ import os
 import pytest
 import torch
 
-from fuser.codegen import attention
-from fuser.codegen.compile import load
-
-ScoreMod, flash_attention, attention_source = attention.ScoreMod, attention.flash_attention, attention.attention_source
+from fuser.attention import flash_attention
+from fuser.codegen.attention import ScoreMod, attention_source
+from fuser.runtime import load
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("FUSER_TEST_DEVICE") == "cuda" else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fuser
-from fuser.launch import RegionKernel
+from fuser.runtime import RegionKernel
 from tolerances import assert_close_to_eager
 
 transformers = pytest.importorskip("transformers")
@@ -126,7 +126,7 @@ def test_a_reduction_over_an_empty_row_at_run_time(device):
     """A symbolic row length that is 0 in one call: no kernel serves it (eager answers with an
     identity or an error), so the graph runs as given for that call, and fused again after."""
     from fuser.backend import GraphRunner
-    from fuser.launch import NotForTheseSizes
+    from fuser.runtime import NotForTheseSizes
     from fuser.report import FusionReport
 
     def f(x):

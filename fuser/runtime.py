@@ -1,32 +1,160 @@
-"""A region's kernel as an nn.Module: checks what it is given, picks the variant, allocates, launches.
+"""The runtime: kernel source to a loaded kernel, launches, and the modules the rewritten graph calls.
 
-Kernels over static sizes are specialised to them and to the captured strides (constants make the
-index math cheap); a call with the captured shapes and dtypes but other strides gets a variant
-generated for those strides; other shapes or dtypes are refused, never run on a kernel made for
-something else.
+Loading: the source is written to `$FUSER_CACHE_DIR/<sha>.py` and imported from there, so `triton.jit`
+sees a real file (it reads the source for its own cache key) and Triton's compiled binaries are
+reused across processes.  Kernels for CPU tensors run through Triton's interpreter, kernels for GPU
+tensors are compiled.  Triton reads its interpret knob when `@triton.jit` wraps a function (and when
+an interpreted kernel calls a constexpr function), so we set it per kernel, for the device the kernel
+is made for, instead of for the whole process at import: no environment variable and no import order
+is needed, and one process can run both kinds.
 
-Kernels over symbolic sizes (Dynamo marked a size dynamic) take the size symbols as int arguments,
-passed by the rewritten graph after the tensors.  Each call evaluates the expected shapes and strides
-from them and checks the inputs; the variant is chosen per call: rows in registers or looped (by the
-row length), 32- or 64-bit offsets (by the largest offset), and, for an input whose strides are not
-the captured expressions, a variant that takes that input's strides as arguments.
+Kernel modules: a region's kernel (`RegionKernel`) checks what it is given, picks the variant,
+allocates and launches.  Kernels over static sizes are specialised to them and to the captured
+strides (constants make the index math cheap); a call with the captured shapes and dtypes but other
+strides gets a variant generated for those strides; other shapes or dtypes are refused, never run on
+a kernel made for something else.  Kernels over symbolic sizes (Dynamo marked a size dynamic) take
+the size symbols as int arguments, passed by the rewritten graph after the tensors.  Each call
+evaluates the expected shapes and strides from them and checks the inputs; the variant is chosen per
+call: rows in registers or looped (by the row length), 32- or 64-bit offsets (by the largest offset),
+and, for an input whose strides are not the captured expressions, a variant that takes that input's
+strides as arguments.  Sources come from the `generate` function the pipeline hands over: the
+runtime never imports codegen or patterns.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.util
+import os
+import threading
+import warnings
+
+import numpy as np
 import sympy
 import torch
+from triton import knobs
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
-from fuser.codegen.attention import attention_source, flash_attention
-from fuser.codegen.compile import Launcher, load
-from fuser.dtypes import target
-from fuser.codegen.kernel import KernelSource, TensorSig, generate
-from fuser.codegen.score_mod import score_mod
-from fuser.patterns.attention import causal_offset
 from . import indexing as ix
-from .cost import region_cost
-from .graph import is_size, meta, shape
-from .plan import block_plan
+from .dtypes import interpreted
+from .graph import is_size, meta
+from .plan import TensorSig, block_plan
 from .region import Region, persistent_at
+
+_loaded: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+def cache_dir() -> str:
+    path = os.environ.get("FUSER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fuser")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+_as_interpreted: dict = {}
+
+
+def _call_interpreted(jit_fn, *args, **kwargs):
+    """JITFunction.__call__ while a kernel is interpreted.  Triton's own @jit helpers (tl.max,
+    tl.sum, tl.sigmoid...) were wrapped when triton was imported: compiled, unless TRITON_INTERPRET
+    was set then.  Inside an interpreted kernel they run as the interpreter runs its own."""
+    fn = _as_interpreted.get(id(jit_fn))  # by id: hashing a JITFunction walks its source
+    if fn is None:
+        fn = _as_interpreted[id(jit_fn)] = InterpretedFunction(jit_fn.fn)
+    return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _interpret_knob(on: bool):
+    """Triton's interpret knob set as the kernel's device needs, restored after.  Masked-off lanes of
+    an interpreted kernel compute on whatever values they hold (log of 0, 0/0): numpy's warnings
+    about those say nothing about the results and never reach the user."""
+    old, old_call = knobs.runtime.interpret, JITFunction.__call__
+    knobs.runtime.interpret = on
+    try:
+        if on:
+            JITFunction.__call__ = _call_interpreted
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                yield
+        else:
+            yield
+    finally:
+        knobs.runtime.interpret, JITFunction.__call__ = old, old_call
+
+
+def load(source: str, name: str, device_type: str):
+    """The jitted function `name` defined in `source`, made for `device_type` (interpreted on CPU)."""
+    interp = interpreted(device_type)
+    hit = _loaded.get((source, interp))
+    if hit is not None:
+        return hit
+    sha = hashlib.sha256(source.encode()).hexdigest()[:24]
+    with _lock:
+        if (source, interp) in _loaded:
+            return _loaded[(source, interp)]
+        path = os.path.join(cache_dir(), f"k_{sha}.py")
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(source)
+            os.replace(tmp, path)
+        mode = "interp" if interp else "jit"
+        spec = importlib.util.spec_from_file_location(f"fuser_kernels.{mode}.k_{sha}", path)
+        module = importlib.util.module_from_spec(spec)
+        with _interpret_knob(interp):
+            spec.loader.exec_module(module)
+        fn = getattr(module, name)
+        _loaded[(source, interp)] = fn
+        return fn
+
+
+def run_interpreted(fn, grid, *args, **kwargs):
+    """Run an interpreted kernel on CPU tensors (the knob on while it runs, numpy quiet)."""
+    with _interpret_knob(True):
+        return fn[grid](*args, **kwargs)
+
+
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+
+
+class Launcher:
+    """Launches one kernel with one launch config.  On CUDA, after Triton's JIT has compiled it, later
+    launches call the compiled kernel directly, skipping the JIT's per-call argument binding (about
+    15 us of host time, which small kernels wait on).  The JIT specialises a kernel on its arguments'
+    pointer alignment and on its int arguments (== 1, divisible by 16, 32 or 64 bits): a call that
+    differs in those goes back through the JIT once, and its compiled kernel is kept beside the
+    others.  On CPU the kernel runs through the interpreter."""
+
+    def __init__(self, fn, meta: dict, device_type: str):
+        self.fn, self.meta = fn, meta
+        self.interpreted = interpreted(device_type)
+        self.constexprs = tuple(v for k, v in meta.items() if k != "num_warps")  # in parameter order
+        self.compiled: dict = {}
+
+    def __call__(self, grid: int, *args):
+        if self.interpreted:
+            run_interpreted(self.fn, (grid,), *args, **self.meta)
+            return
+        key = tuple([_spec(a) for a in args])
+        compiled = self.compiled.get(key)
+        if compiled is not None and knobs.runtime.launch_enter_hook is None:
+            stream = _raw_stream(torch.cuda.current_device())
+            compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
+                         None, None, None, *args, *self.constexprs)
+            return
+        compiled = self.fn[(grid,)](*args, **self.meta)
+        if hasattr(compiled, "packed_metadata"):
+            self.compiled[key] = compiled
+
+
+def _spec(a):
+    """What Triton's JIT specialises an argument on."""
+    if isinstance(a, int):
+        return (a == 1, a % 16 == 0, -2**31 <= a < 2**31)
+    return a.data_ptr() % 16 == 0
+
 
 WIDE = 2**31  # offsets from here on need 64-bit index math
 
@@ -43,12 +171,12 @@ class NotForTheseSizes(Exception):
 class _Variant:
     """One generated kernel and its launchers, one per launch config."""
 
-    def __init__(self, src: KernelSource, params: list):
+    def __init__(self, src, params: list):
         self.src, self.params = src, params  # params: how to get each size argument (see _size_args)
         self.fn = None
         self.launchers: dict = {}
 
-    def launcher(self, plan, device_type: str, reduction: bool) -> Launcher:
+    def launcher(self, plan, device_type: str, reduction: bool) -> "Launcher":
         key = (plan.xblock, plan.rblock, plan.num_warps)
         hit = self.launchers.get(key)
         if hit is None:
@@ -64,10 +192,11 @@ class _Variant:
 
 
 class RegionKernel(torch.nn.Module):
-    def __init__(self, region: Region, name: str, cost=None):
+    """`generate(in_sigs, out_sigs, persistent=, wide=)` gives the KernelSource of a variant."""
+
+    def __init__(self, region: Region, name: str, generate):
         super().__init__()
-        self.region, self.name = region, name
-        self.cost = cost if cost is not None else region_cost(region)
+        self.region, self.name, self.generate = region, name, generate
         self.sizes = region.cg.sizes
         self.in_sigs = tuple(TensorSig.of(meta(n)) for n in region.inputs)
         self.out_sigs = tuple(TensorSig.of(meta(n)) for n in region.outputs)
@@ -103,9 +232,8 @@ class RegionKernel(torch.nn.Module):
                     found |= ix.size_symbols(a.meta["val"])
         return tuple(sorted(found, key=str))
 
-    def _generate(self, in_sigs, out_sigs, persistent: bool, wide: bool) -> KernelSource:
-        return generate(self.region, list(in_sigs), list(out_sigs), self.device_type, self.name,
-                        persistent=persistent, wide=wide, cost=self.cost)
+    def _generate(self, in_sigs, out_sigs, persistent: bool, wide: bool):
+        return self.generate(list(in_sigs), list(out_sigs), persistent=persistent, wide=wide)
 
     # ------------------------------------------------------------------ static sizes
     def _static(self, sigs: tuple):
@@ -242,20 +370,16 @@ def _shape_function(symbols, in_sigs, out_sigs, space):
 
 class AttentionKernel(torch.nn.Module):
     """A recognised attention as one flash-attention launch: the N x N scores never reach HBM.  The
-    kernel takes batch, heads and both sequence lengths at run time; only the head dim is built in."""
+    kernel takes batch, heads and both sequence lengths at run time; only the head dim is built in.
+    `prepare(q, k, v, extras)` (from codegen) allocates the output and gives the launch's grid,
+    arguments and meta-parameters."""
 
     symbols = ()
 
-    def __init__(self, att, cg, name: str):
+    def __init__(self, name: str, source: str, prepare, in_shapes, in_dtypes, out_dtype, describe: str):
         super().__init__()
-        self.att, self.name = att, name
-        with target(meta(att.q).device.type):
-            self.mod = score_mod(att.scores, att.chain, att.extras, cg, causal_offset(att, cg))
-            self.head_dim = int(shape(att.q)[-1])
-            self.source = attention_source(self.mod, self.head_dim, meta(att.q).dtype)
-        self.in_shapes = tuple(shape(n) for n in att.inputs)
-        self.in_dtypes = tuple(meta(n).dtype for n in att.inputs)
-        self.out_dtype = meta(att.out).dtype
+        self.name, self.source, self.prepare = name, source, prepare
+        self.in_shapes, self.in_dtypes, self.out_dtype, self.describe = in_shapes, in_dtypes, out_dtype, describe
 
     def forward(self, q, k, v, *extras):
         for i, (t, want, dt) in enumerate(zip((q, k, v, *extras), self.in_shapes, self.in_dtypes)):
@@ -263,8 +387,20 @@ class AttentionKernel(torch.nn.Module):
                     w.is_Integer and g != int(w) for g, w in zip(t.shape, want)):
                 raise RuntimeError(f"{self.name}: input {i} is {tuple(t.shape)} {t.dtype}, made for "
                                    f"{want} {dt}; recapture for new shapes")
-        out = flash_attention(q, k, v, scale=1.0, mod=self.mod, extras=extras)
+        out, _ = run_attention(self.source, self.prepare, q, k, v, extras)
         return (out if out.dtype == self.out_dtype else out.to(self.out_dtype),)
 
     def extra_repr(self) -> str:
-        return f"{self.name}: attention, score mod: " + "; ".join(self.mod.lines)
+        return f"{self.name}: attention, {self.describe}"
+
+
+def run_attention(source: str, prepare, q, k, v, extras=(), **kwargs):
+    """Load the attention kernel `attention_fwd` in `source` and launch it as `prepare` says;
+    returns (out, lse)."""
+    kernel = load(source, "attention_fwd", q.device.type)
+    out, lse, grid, args, meta_args = prepare(q, k, v, extras, **kwargs)
+    if q.is_cuda:
+        kernel[grid](*args, **meta_args)
+    else:
+        run_interpreted(kernel, grid, *args, **meta_args)
+    return out, lse
