@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import functools
 import json
 import platform
 import re
@@ -117,6 +118,7 @@ class Case:
 class Row:
     name: str
     build: Callable[[bool, torch.device], Case]
+    dynamic: bool = False  # compiled for symbolic sizes (fuse(dynamic=True), torch.compile(dynamic=True))
 
 
 def _randn(shape, device):
@@ -211,6 +213,23 @@ ROWS = [
     Row("BatchNorm + ReLU, eval, NCHW", _bn_relu(False)),
     Row("BatchNorm + ReLU, eval, channels_last", _bn_relu(True)),
 ]
+
+# The same workloads with kernels compiled for symbolic sizes: same builder, same shape, timed at that
+# shape after a first call at another size (`_grown`); the row also times fuser static, back to back.
+DYNAMIC = ["8-op chain", "residual + LayerNorm", "RMSNorm", "scaled softmax", "SwiGLU gate", "cross-entropy"]
+ROWS += [Row(f"{row.name} [dynamic]", row.build, dynamic=True) for row in ROWS if row.name in DYNAMIC]
+
+
+def _grown(inputs):
+    """The inputs with their leading (row / sequence) dimension one longer: every input whose dim 0
+    matches the first one's gets a copy of its first slice appended (targets stay valid class ids)."""
+    n = inputs[0].shape[0]
+    return tuple(torch.cat([x, x[:1]]) if x.dim() and x.shape[0] == n else x for x in inputs)
+
+
+def _grown_shape(inputs):
+    """The shape of the first input that _grown makes, without making it."""
+    return "×".join(map(str, (inputs[0].shape[0] + 1, *inputs[0].shape[1:])))
 
 
 # ---------------------------------------------------------------- timing
@@ -319,9 +338,18 @@ def _report(fused):
             return str(x)
     return [
         {"kind": str(r.kind), "ops": [str(op) for op in r.ops], "k": num(r.k),
-         "bytes_unfused": num(r.bytes_unfused), "bytes_fused": num(r.bytes_fused)}
+         "bytes_unfused": num(r.bytes_unfused), "bytes_fused": num(r.bytes_fused),
+         "bytes_fused_expr": str(getattr(r, "bytes_fused_expr", r.bytes_fused))}
         for r in fused.report.regions
     ]
+
+
+def _symbolic(regions):
+    """"yes" when the report has regions and every one's fused bytes are a formula in size symbols
+    (Dynamo's s0, s1, ...), i.e. its kernel was compiled for symbolic sizes; else "no"."""
+    if not isinstance(regions, list) or not regions:
+        return "no"
+    return "yes" if all(re.search(r"[A-Za-z]", r["bytes_fused_expr"]) for r in regions) else "no"
 
 
 def run_eager(case, device):
@@ -346,6 +374,62 @@ def run_fuser(fuser, case, ref, device):
         result["report"] = f"unreadable: {type(e).__name__}: {e}"
     result["fuser_ms"] = bench_ms(lambda: fused(*case.inputs), device)
     return result
+
+
+def run_inductor_dynamic(case, device):
+    """torch.compile(dynamic=True): first call at the grown size (cold s), timed at the row's shape."""
+    compiled = torch.compile(case.module, dynamic=True)
+    grown = _grown(case.inputs)
+    seconds, _ = first_call(functools.partial(compiled, *grown), device)
+    del grown, _  # free the grown copies before timing
+    compiled(*case.inputs)
+    return {"inductor_cold_s": seconds, "inductor_ms": bench_ms(lambda: compiled(*case.inputs), device)}
+
+
+def run_fuser_static(fuser, case, device):
+    """The static baseline of a dynamic row, as the static row runs it, timed just before the dynamic one."""
+    fused, out = _fuse_and_call(fuser, case)
+    del out
+    return {"fuser_static_ms": bench_ms(lambda: fused(*case.inputs), device)}
+
+
+_SEVERITY = {"pass": 0, "pass (fp32 ref)": 1, "FAIL": 2}
+
+
+def run_fuser_dynamic(fuser, case, ref, device):
+    """fuse(dynamic=True): first call at the grown size (cold s = fuse() + that call), then at the row's
+    shape; both outputs checked against eager, the report read after the row-shape call, then timed."""
+    grown = dataclasses.replace(case, inputs=_grown(case.inputs))
+
+    def fuse_and_call(inputs):
+        fused = fuser.fuse(case.module, dynamic=True)
+        return fused, fused(*inputs)
+
+    seconds, (fused, out) = first_call(functools.partial(fuse_and_call, grown.inputs), device)
+    grown_check = check(out, case.module(*grown.inputs), grown)
+    del out, grown
+    out = fused(*case.inputs)
+    checks = [("", check(out, ref, case)), (f"at the warm-up shape {_grown_shape(case.inputs)}: ", grown_check)]
+    del out
+    prefix, (correct, reason) = max(checks, key=lambda c: _SEVERITY[c[1][0]])
+    result = {"fuser_cold_s": seconds, "correct": correct, "mismatch": reason and prefix + reason}
+    try:
+        result["report"] = _report(fused)
+        result["fallbacks"] = list(fused.report.all_fallbacks)
+        result["captures"] = len(fused.reports)  # graphs captured over both sizes: 1 when one kernel set serves both
+    except Exception as e:  # noqa: BLE001 - a missing report must not hide the timings
+        result["report"] = f"unreadable: {type(e).__name__}: {e}"
+    result["symbolic"] = _symbolic(result["report"])
+    result["fuser_ms"] = bench_ms(lambda: fused(*case.inputs), device)
+    return result
+
+
+def _dyn_over_static(result):
+    """dyn/static = fuser dynamic ms / fuser static ms; the issue's target is at most 1.10."""
+    dyn, static = result.get("fuser_ms"), result.get("fuser_static_ms")
+    ratio = dyn / static if dyn and static else None
+    result["dyn_over_static"] = ratio
+    result["within_10pct"] = None if ratio is None else ("yes" if ratio <= 1.10 else "no")
 
 
 def run_fuser_warm(fuser, case, device):
@@ -379,16 +463,26 @@ def run_row(row, device, quick, fuser, fuser_missing, limit):
             return result
         case = result.pop("_case")
         result["shape"] = case.shape
+        if row.dynamic:
+            result["warm_shape"] = _grown_shape(case.inputs)
         if not guarded(result, "eager", lambda: run_eager(case, device), limit):
             return result
         ref = result.pop("_ref")
         result["bytes"] = io_bytes(case, ref)
         torch._dynamo.reset()
-        guarded(result, "inductor", lambda: run_inductor(case, device), limit)
+        inductor = run_inductor_dynamic if row.dynamic else run_inductor
+        guarded(result, "inductor", lambda: inductor(case, device), limit)
         torch._dynamo.reset()
         if fuser is None:
             print(f"--- {row.name}: fuser skipped: {fuser_missing}", flush=True)
             result["errors"]["fuser"] = fuser_missing
+            return result
+        if row.dynamic:  # fuser static, then fuser dynamic; no warm (disk-cache) run
+            result["dynamic"] = True
+            guarded(result, "fuser static", lambda: run_fuser_static(fuser, case, device), limit)
+            torch._dynamo.reset()
+            guarded(result, "fuser", lambda: run_fuser_dynamic(fuser, case, ref, device), limit)
+            _dyn_over_static(result)
             return result
         if guarded(result, "fuser", lambda: run_fuser(fuser, case, ref, device), limit):
             torch._dynamo.reset()
@@ -465,7 +559,8 @@ def markdown(meta, rows):
         "Times are do_bench medians. GB/s counts each input (parameters too) read once and the output written once. "
         "fuser/inductor = inductor ms / fuser ms (>1: fuser faster). Compile s = wall time of the first call, "
         "synchronised (fuse() included for fuser), after a warm-up compile of an unrelated graph; "
-        "fuser warm = the same after `torch._dynamo.reset()` with its disk cache populated.",
+        "fuser warm = the same after `torch._dynamo.reset()` with its disk cache populated. "
+        "`[dynamic]` rows: inductor and fuser compiled for symbolic sizes (see Dynamic sizes below).",
         "",
     ]
     errors = [f"- {r['name']}: {system}: {msg}" for r in rows for system, msg in r["errors"].items()]
@@ -474,7 +569,49 @@ def markdown(meta, rows):
         lines += ["Errors and mismatches:", *errors, *mismatches, ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(r, copy_bw)) + " |" for r in rows]
+    dynamic = [r for r in rows if r.get("dynamic") or r["name"].endswith(" [dynamic]")]
+    if dynamic:
+        lines += ["", *_dynamic_section(dynamic)]
     return "\n".join(lines) + "\n"
+
+
+DYNAMIC_COLUMNS = ["workload", "shape", "warm-up shape", "fuser static ms", "fuser dynamic ms", "dyn/static",
+                   "within 10%", "inductor dynamic ms", "fuser/inductor dynamic", "symbolic", "graphs captured"]
+
+
+def _dynamic_section(rows):
+    def num(r, key, system, fmt=".3f"):
+        if r.get(key) is not None:
+            return format(r[key], fmt)
+        return "ERR" if any(k in r["errors"] for k in ("build", "eager", system)) else "—"
+
+    lines = [
+        "## Dynamic sizes",
+        "",
+        "Each `[dynamic]` row compiles its workload for symbolic sizes: fuser as `fuser.fuse(m, dynamic=True)`, "
+        "Inductor as `torch.compile(m, dynamic=True)`. Both are called first at the warm-up shape (the leading "
+        "dimension one longer), then timed at the row's shape; its table row above holds those dynamic numbers "
+        "(compile s: fuse() or compile plus the warm-up-shape call). fuser static = `fuser.fuse(m)` on the same "
+        "inputs, timed just before. dyn/static = fuser dynamic ms / fuser static ms; the target is ≤ 1.10 "
+        "(within 10%). symbolic = every fused region's byte count is a formula in size symbols (its kernel "
+        "takes the sizes as arguments); graphs captured = graphs fuser captured over both calls (1: the "
+        "warm-up-shape graph served the row's shape too).",
+        "",
+        "| " + " | ".join(DYNAMIC_COLUMNS) + " |",
+        "|" + "---|" * len(DYNAMIC_COLUMNS),
+    ]
+    for r in rows:
+        ratio, inductor = r.get("dyn_over_static"), r.get("inductor_ms")
+        speed = inductor / r["fuser_ms"] if inductor and r.get("fuser_ms") else None
+        cells = [
+            r["name"].removesuffix(" [dynamic]"), r["shape"] or "—", r.get("warm_shape") or "—",
+            num(r, "fuser_static_ms", "fuser static"), num(r, "fuser_ms", "fuser"),
+            "—" if ratio is None else f"{ratio:.3f}", r.get("within_10pct") or "—",
+            num(r, "inductor_ms", "inductor"), "—" if speed is None else f"{speed:.2f}×",
+            r.get("symbolic") or ("ERR" if _failed(r, "fuser_ms") else "—"), str(r.get("captures", "—")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def write(meta, rows, out_dir):
@@ -505,12 +642,13 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--budget", type=float, default=300, help="start no new row after this many seconds")
     p.add_argument("--limit", type=int, default=150, help="seconds allowed to each system of each row")
+    p.add_argument("--no-dynamic", action="store_true", help="skip the [dynamic] rows (symbolic-size compiles)")
     args = p.parse_args(argv)
 
     start = time.perf_counter()
     device = torch.device(args.device)
     wanted = [w.strip().lower() for w in args.rows.split(",")] if args.rows else [""]
-    rows = [row for row in ROWS if any(w in row.name.lower() for w in wanted)]
+    rows = [row for row in ROWS if any(w in row.name.lower() for w in wanted) and not (args.no_dynamic and row.dynamic)]
     if not rows:
         p.error(f"no row matches {args.rows!r}; rows: {', '.join(r.name for r in ROWS)}")
     torch.manual_seed(0)
