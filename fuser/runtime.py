@@ -205,6 +205,7 @@ class RegionKernel(torch.nn.Module):
         self.reduction = region.space.is_reduction
         self.symbols = self._symbols()
         self.seen: tuple = ()  # the size arguments of the latest call (the report's values)
+        self._plans: dict = {}  # (rows, r) -> launch config, for kernels over symbolic sizes
         self.variants: dict = {}
         if self.symbols:
             self._shapes_at = _shape_function(self.symbols, self.in_sigs, self.out_sigs, region.space)
@@ -298,7 +299,9 @@ class RegionKernel(torch.nn.Module):
             raise NotForTheseSizes(f"{self.name}: a reduction over 0 elements")
         wide = any(_max_offset(t.shape, t.stride()) >= WIDE for t in (*inputs, *outs))
         variant = self._dynamic((persistent_at(r) if self.reduction else True, wide, tuple(generic)))
-        plan = block_plan(rows, r if self.reduction else None, self.device_type)
+        plan = self._plans.get((rows, r))
+        if plan is None:
+            plan = self._plans[(rows, r)] = block_plan(rows, r if self.reduction else None, self.device_type)
         sizes = [values[p[1]] if p[0] == "size" else inputs[p[1]].stride(p[2]) for p in variant.params]
         return outs, (variant, plan, sizes)
 
