@@ -240,8 +240,9 @@ def test_zero_dim_float64_input_is_fused_not_a_fallback(device):
 
 def test_report_is_the_latest_call_and_dynamo_giving_up_is_said(device, caplog):
     """fused.report holds the graphs that ran in the latest call; when Dynamo stops compiling (its
-    recompile limit), the calls it runs eagerly say so in the report and, once, at WARNING."""
-    fused = fuser.fuse(lambda x: torch.exp(x) * 2 + 1)
+    recompile limit: reached here with dynamic=False, one graph per shape), the calls it runs eagerly
+    say so in the report and, once, at WARNING."""
+    fused = fuser.fuse(lambda x: torch.exp(x) * 2 + 1, dynamic=False)
     limit = torch._dynamo.config.recompile_limit
     with caplog.at_level("WARNING", logger="fuser"):
         for n in range(3, 3 + limit + 2):
