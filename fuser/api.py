@@ -1,10 +1,13 @@
 """`fuser.fuse(model)`: a module with the model's outputs, whose memory-bound work runs fused."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import types
 
 import torch
+from torch._dynamo.utils import counters
 
 from . import backend
 from .report import FusionReport
@@ -36,51 +39,213 @@ class _DynamoGaveUp(logging.Filter):
 logging.getLogger("torch._dynamo.convert_frame").addFilter(_DynamoGaveUp())
 
 
-class FusedModule(torch.nn.Module):
-    """Runs `model` through Dynamo with the fuser backend; recaptures for new shapes or dtypes."""
+def _break_total() -> int:
+    return sum(counters["graph_break"].values())
 
-    def __init__(self, model: torch.nn.Module, options: dict | None = None):
+
+class _GraphBreaks:
+    """The graph breaks Dynamo met during one call.  Dynamo counts them by reason (one Counter for
+    the process) while it compiles a frame; a call that reuses compiled code counts nothing.  Per
+    call this compares two totals; the counter is copied only when it changed."""
+
+    def __init__(self):
+        self.total: int | None = None
+        self.seen: dict[str, int] = {}
+
+    def start(self):
+        total = _break_total()
+        if total != self.total:  # changed since our latest call (another model compiled, a reset)
+            self.seen, self.total = dict(counters["graph_break"]), total
+
+    def new(self) -> list[str]:
+        if _break_total() == self.total:
+            return []
+        now = counters["graph_break"]
+        found = [_break_reason(r) for r, n in now.items() if n > self.seen.get(r, 0)]
+        self.seen, self.total = dict(now), sum(now.values())
+        return list(dict.fromkeys(found))
+
+
+def _break_reason(text: str) -> str:
+    """Dynamo's reason, shortened to its first line and its explanation (no hints, no links)."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    if not lines:
+        return "(no reason given)"
+    explanation = next((line[len("Explanation:"):].strip() for line in lines if line.startswith("Explanation:")), "")
+    return f"{lines[0]}: {explanation}" if explanation else lines[0]
+
+
+class _Entry:
+    """A compiled entry point, what runs if Dynamo fails on it, and Dynamo's reason once it gave up on it."""
+
+    def __init__(self, compiled, eager):
+        self.compiled, self.eager = compiled, eager
+        self.gave_up: str | None = None
+
+
+class FusedModule(torch.nn.Module):
+    """Runs `model` through Dynamo with the fuser backend; recaptures for new shapes or dtypes.
+
+    Attributes of the model that FusedModule does not have itself are the model's: `fused.config`,
+    `fused.device`, `fused.dtype`, `fused.generation_config`, its methods.  `fused.generate(...)`
+    runs the model's own `generate` with each forward step fused."""
+
+    def __init__(self, model: torch.nn.Module, options: dict | None = None, dynamic: bool | None = None):
         super().__init__()
+        _check_dynamic(dynamic)
         self.model = model
+        self.dynamic = dynamic
         self._graph_reports: list[FusionReport] = []
         self._latest: list[FusionReport] = []  # the graphs that ran since the latest call began
-        self._warned: set[str] = set()
-        self._gave_up: str | None = None  # Dynamo's reason, once it gives up on the model's frame
+        self._ran_graph = False  # whether a fused graph ran in the current step
+        self._warned: set = set()  # reasons already said at WARNING
+        self._breaks = _GraphBreaks()
+        self._generating = False
         self.graph_modules: list[torch.fx.GraphModule] = []  # the rewritten graphs, in capture order
         self._seen_devices: frozenset | None = None
         target = model.fn if isinstance(model, _Function) else model  # a function compiles without module layers
         backend.validate(options)  # bad options fail here, not at the first call
-        compiled = torch.compile(_own_entry(target), dynamic=False,
-                                 backend=backend.make_backend(self._captured, options, self._latest.append))
-        object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second copy of the weights
+        self._backend = backend.make_backend(self._captured, options, self._ran)
+        # not submodules: no second copy of the weights
+        object.__setattr__(self, "_entry", _Entry(self._compile(target), model))
+        object.__setattr__(self, "_generate_entry", None)  # made at the first generate()
+
+    def _compile(self, target):
+        return torch.compile(_own_entry(target), dynamic=self.dynamic, backend=self._backend)
+
+    def __getattr__(self, name: str):
+        """Parameters, buffers and submodules first (nn.Module's own lookup), then the model's
+        attributes.  Dunder names are not forwarded (copy, pickle look them up on the instance), nor
+        is anything while `model` is not set yet (unpickling, deepcopy): no recursion."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") and name.endswith("__"):
+                raise
+        model = self.__dict__.get("_modules", {}).get("model")
+        if model is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}, nor has the "
+                                 f"model it wraps ({type(model).__name__})") from None
 
     def forward(self, *args, **kwargs):
+        self._check_devices(args, kwargs)
+        self._latest.clear()  # in place: the backend's runners append to this list
+        return self._call(self._entry, args, kwargs)
+
+    def _check_devices(self, args, kwargs):
         devices = _devices(args, kwargs)
         if devices != self._seen_devices:  # weights are checked when the inputs' devices change
             _check_devices(self.model, devices)
             self._seen_devices = devices
-        self._latest.clear()  # in place: the backend's runners append to this list
+
+    def _call(self, entry: _Entry, args, kwargs):
+        """One call of a compiled entry: what ran goes into `_latest`; a call that ran no fused graph,
+        and each graph break Dynamo met, is said in the report and (once per reason) at WARNING."""
         _DynamoGaveUp.last = None
+        self._ran_graph = False
+        captured = len(self._graph_reports)
+        self._breaks.start()
         try:
-            out = self._compiled(*args, **kwargs)
+            out = entry.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchRuntimeError as e:
             # Dynamo met an error running the program on fake tensors: run it for real, so that a
             # wrong program raises eager's own error (IndexError, ...); if eager runs, Dynamo failed.
-            out = self.model(*args, **kwargs)
+            out = entry.eager(*args, **kwargs)
             self._ran_eagerly(f"Dynamo could not trace the model: {str(e).splitlines()[0]}")
             return out
-        if not self._latest:
+        breaks = self._breaks.new()
+        if breaks:
+            self._graph_broke(breaks, self._graph_reports[captured:])
+        if not self._ran_graph:
             if _DynamoGaveUp.last:
-                self._gave_up = _DynamoGaveUp.last
-            self._ran_eagerly(self._gave_up or "Dynamo ran this call without a graph (nothing fused ran)")
+                entry.gave_up = _DynamoGaveUp.last
+            self._ran_eagerly(entry.gave_up or "Dynamo ran this call without a graph (nothing fused ran)")
         return out
+
+    def _ran(self, report: FusionReport):
+        """The backend's runners call this as each graph runs: the report lists each graph once."""
+        self._ran_graph = True
+        if not any(r is report for r in self._latest):
+            self._latest.append(report)
 
     def _ran_eagerly(self, reason: str):
         """No fused graph ran in this call: say so, in the report and (once per reason) in the log."""
-        self._latest.append(FusionReport(fallbacks=[f"this call ran eagerly: {reason}"]))
+        line = f"this call ran eagerly: {reason}"
+        if not any(line in r.fallbacks for r in self._latest):  # generate(): once, not once per token
+            self._latest.append(FusionReport(fallbacks=[line]))
         if reason not in self._warned:
             self._warned.add(reason)
-            log.warning("fuser: a call of %s ran eagerly: %s", type(self.model).__name__, reason)
+            log.warning("fuser: a call of %s ran eagerly: %s", self._name, reason)
+
+    def _graph_broke(self, reasons: list[str], captured: list[FusionReport]):
+        """Dynamo split the model at a graph break: the pieces either side are separate graphs (each
+        fused), the code at the break runs eagerly.  The note goes into the reports of the graphs
+        captured in this call, so that every later call that runs them says it too."""
+        notes = [f"graph break: {r} (that piece runs eagerly)" for r in reasons]
+        for report in captured:
+            report.notes += [n for n in notes if n not in report.notes]
+        if not any(any(r is c for c in captured) for r in self._latest):
+            self._latest.append(FusionReport(notes=notes))
+        for reason in reasons:
+            if ("graph break", reason) not in self._warned:
+                self._warned.add(("graph break", reason))
+                log.warning("fuser: graph break in %s: %s; the code at the break runs eagerly, the pieces "
+                            "either side are fused as separate graphs", self._name, reason)
+
+    def generate(self, *args, **kwargs):
+        """The wrapped model's own `generate` (Hugging Face), with every forward it makes run through
+        fuser: prefill and each decode step call the model, and that call runs a compiled entry of
+        the model's original forward, with this module's backend and `dynamic` setting.
+
+        `fused.report` afterwards holds the graphs that ran during this generate call (each once),
+        `fused.reports` every graph captured so far.  With `dynamic=None`, the first decode steps
+        compile at fixed sizes, and the growing KV cache makes its length symbolic at the next one.
+        HF's own auto-compile (static caches) is turned off here (`disable_compile=True`, unless you
+        pass it): fuser is the compiler."""
+        model = self.model
+        if getattr(model, "generate", None) is None:
+            raise AttributeError(f"fuser: {type(model).__name__} has no generate(); fused.generate runs the "
+                                 "wrapped model's own (a Hugging Face model's GenerationMixin.generate)")
+        if self._generating:
+            raise RuntimeError("fuser: fused.generate() was called again from inside itself")
+        if getattr(model.forward, "_fuser_step", False):
+            raise RuntimeError(f"fuser: {type(model).__name__}.forward is routed through another FusedModule's "
+                               "generate() right now; call one generate() at a time")
+        entry = self._generate_entry
+        if entry is None:
+            original = model.forward  # the bound forward, before any patching
+            entry = _Entry(self._compile(original), original)
+            object.__setattr__(self, "_generate_entry", entry)
+
+        def step(*a, **k):
+            self._check_devices(a, k)
+            return self._call(entry, a, k)
+        step._fuser_step = True
+
+        if hasattr(getattr(model, "generation_config", None), "disable_compile"):
+            kwargs.setdefault("disable_compile", True)
+        had, old = "forward" in model.__dict__, model.__dict__.get("forward")
+        self._latest.clear()
+        self._generating = True
+        model.__dict__["forward"] = step  # model(...) -> nn.Module.__call__ -> self.forward: this step
+        try:
+            return model.generate(*args, **kwargs)
+        finally:
+            if had:
+                model.__dict__["forward"] = old
+            else:
+                model.__dict__.pop("forward", None)
+            self._generating = False
+
+    @property
+    def _name(self) -> str:
+        """The model's class, or the function's name, for messages."""
+        model = self.model
+        return getattr(model.fn, "__qualname__", repr(model.fn)) if isinstance(model, _Function) else type(model).__name__
 
     def _captured(self, report: FusionReport, gm: torch.fx.GraphModule):
         self._graph_reports.append(report)
@@ -88,7 +253,8 @@ class FusedModule(torch.nn.Module):
 
     @property
     def report(self) -> FusionReport:
-        """The report of the graphs that ran in the latest call (and in the backward after it)."""
+        """The report of the graphs that ran in the latest call (and in the backward after it); after
+        generate(), of the graphs that ran during it."""
         return FusionReport.merge(self._latest)
 
     @property
@@ -130,19 +296,34 @@ def _check_devices(model, devices):
                          "move them to one device")
 
 
-def fuse(model, example_inputs: tuple | None = None, **options) -> FusedModule:
-    """Fuse `model` (an nn.Module or a callable).  With example_inputs it captures now."""
+def fuse(model, example_inputs: tuple | None = None, *, dynamic: bool | None = None, **options) -> FusedModule:
+    """Fuse `model` (an nn.Module or a callable).  With example_inputs it captures now.
+
+    `dynamic` is torch.compile's: None (the default) compiles the first call at its sizes and, when
+    a size changes, recompiles with that size symbolic (automatic dynamic), so a model called at one
+    shape gets kernels specialised to it and a model called at many lengths gets one generic graph
+    more, not one per length; True makes sizes symbolic from the first call (torch._dynamo.mark_dynamic
+    marks single dimensions); False specialises every shape (a graph per shape, until Dynamo's
+    recompile limit, after which calls at new shapes run eagerly and the report says so)."""
     if isinstance(model, FusedModule):
         return model
+    _check_dynamic(dynamic)
     if not isinstance(model, torch.nn.Module):
         if not callable(model):
             raise TypeError(f"fuser.fuse expects an nn.Module or a callable, got {type(model).__name__}")
         model = _Function(model)
-    fused = FusedModule(model, options or None)
+    fused = FusedModule(model, options or None, dynamic=dynamic)
     if example_inputs is not None:
         with torch.no_grad():
             fused(*example_inputs)
     return fused
+
+
+def _check_dynamic(dynamic):
+    if not (dynamic is None or dynamic is True or dynamic is False):
+        raise ValueError(f"fuser: dynamic={dynamic!r} is not allowed; allowed values: None (automatic: static "
+                         "first, a size that changes becomes symbolic), True (symbolic sizes from the first "
+                         "call), False (every shape specialised)")
 
 
 def last_report() -> FusionReport | None:
