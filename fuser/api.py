@@ -1,8 +1,6 @@
 """`fuser.fuse(model)`: a module with the model's outputs, whose memory-bound work runs fused."""
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import types
 
