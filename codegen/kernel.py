@@ -101,8 +101,8 @@ class KernelWriter:
     def __init__(self, region: Region, inputs: list, outputs: list, device_type: str, name: str,
                  persistent: bool, wide: bool, cost):
         self.region, self.cg, self.space = region, region.cg, region.space
-        self.in_sig = dict(zip(region.inputs, inputs))
-        self.out_sig = dict(zip(region.outputs, outputs))
+        self.in_sig = dict(zip(region.inputs, [_simplified(s, region.cg.sizes) for s in inputs]))
+        self.out_sig = dict(zip(region.outputs, [_simplified(s, region.cg.sizes) for s in outputs]))
         self.persistent, self.wide, self.cost = persistent, wide, cost
         self.name = name
         self.reduction = self.space.is_reduction
@@ -595,6 +595,13 @@ def _identity(combine: str, dtype: torch.dtype) -> str:
         return "0" if combine == "max" else "1"
     info = torch.iinfo(dtype)
     return str(info.min if combine == "max" else info.max)
+
+
+def _simplified(sig, sizes):
+    """A signature whose strides drop the Max/Min that hold one way at every size."""
+    if not any(isinstance(st, sympy.Basic) and not st.is_Integer for st in sig.stride):
+        return sig
+    return type(sig)(sig.shape, tuple(sizes.simplify(st) for st in sig.stride), sig.dtype)
 
 
 def numel_bytes(n):

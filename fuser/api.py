@@ -95,7 +95,9 @@ class FusedModule(torch.nn.Module):
         self.dynamic = dynamic
         self._graph_reports: list[FusionReport] = []
         self._latest: list[FusionReport] = []  # the graphs that ran since the latest call began
-        self._ran_graph = False  # whether a fused graph ran in the current step
+        # whether a fused graph ran in the current step: a plain object's attribute, set on every call
+        # (nn.Module.__setattr__ costs microseconds)
+        self._step = types.SimpleNamespace(ran_graph=False)
         self._warned: set = set()  # reasons already said at WARNING
         self._breaks = _GraphBreaks()
         self._generating = False
@@ -144,7 +146,7 @@ class FusedModule(torch.nn.Module):
         """One call of a compiled entry: what ran goes into `_latest`; a call that ran no fused graph,
         and each graph break Dynamo met, is said in the report and (once per reason) at WARNING."""
         _DynamoGaveUp.last = None
-        self._ran_graph = False
+        self._step.ran_graph = False
         captured = len(self._graph_reports)
         self._breaks.start()
         try:
@@ -158,7 +160,7 @@ class FusedModule(torch.nn.Module):
         breaks = self._breaks.new()
         if breaks:
             self._graph_broke(breaks, self._graph_reports[captured:])
-        if not self._ran_graph:
+        if not self._step.ran_graph:
             if _DynamoGaveUp.last:
                 entry.gave_up = _DynamoGaveUp.last
             self._ran_eagerly(entry.gave_up or "Dynamo ran this call without a graph (nothing fused ran)")
@@ -166,7 +168,7 @@ class FusedModule(torch.nn.Module):
 
     def _ran(self, report: FusionReport):
         """The backend's runners call this as each graph runs: the report lists each graph once."""
-        self._ran_graph = True
+        self._step.ran_graph = True
         if not any(r is report for r in self._latest):
             self._latest.append(report)
 

@@ -83,6 +83,10 @@ class Sizes:
         except Exception:  # an expression value-range analysis does not know
             return ValueRanges.unknown()
 
+    def simplify(self, e):
+        """e without the Max/Min that hold one way for every size (Dynamo's strides: Max(1, s - 1))."""
+        return _drop_minmax(expr(e), self)
+
     def nonneg(self, e) -> bool:
         e = expr(e)
         if e.is_Number:
@@ -105,21 +109,25 @@ class Sizes:
         return den == 1 or den == -1
 
 
+def _is_minmax(t) -> bool:
+    return type(t).__name__ in ("Max", "Min")  # sympy's, or torch.utils._sympy's own (Dynamo's)
+
+
 def _drop_minmax(e, sizes: Sizes):
     """Max(a, b) -> a where a >= b always (Dynamo writes strides as Max(1, s - 1))."""
-    if not e.has(sympy.Max, sympy.Min):
+    if not any(_is_minmax(t) for t in sympy.preorder_traversal(e)):
         return e
 
     def pick(m):
-        a, b = m.args[0], sympy.Max(*m.args[1:]) if isinstance(m, sympy.Max) else sympy.Min(*m.args[1:])
+        a, rest = m.args[0], m.args[1:]
+        b = rest[0] if len(rest) == 1 else type(m)(*rest)
+        is_max = type(m).__name__ == "Max"
         for first, second in ((a, b), (b, a)):
-            if isinstance(m, sympy.Max) and sizes.nonneg(first - second):
-                return first
-            if isinstance(m, sympy.Min) and sizes.nonneg(second - first):
+            if sizes.nonneg(first - second if is_max else second - first):
                 return first
         return m
 
-    return e.replace(lambda t: isinstance(t, (sympy.Max, sympy.Min)), pick)
+    return e.replace(_is_minmax, pick)
 
 
 class Ranges(dict):
@@ -179,7 +187,7 @@ def value_range(e, ranges: dict) -> tuple:
         raise ValueError(f"non-linear index term {e}")
     if isinstance(e, FloorDiv):
         a, b = value_range(e.args[0], ranges)
-        return FloorDiv(a, e.args[1]), FloorDiv(b, e.args[1])
+        return _floor_of(a, e.args[1], sizes), _floor_of(b + 1, e.args[1], sizes, end=True)
     if isinstance(e, ModularIndexing):
         a, b = value_range(e.args[0], ranges)
         d, m = e.args[1], e.args[2]
@@ -187,6 +195,15 @@ def value_range(e, ranges: dict) -> tuple:
             return FloorDiv(a, d), FloorDiv(b, d)
         return sympy.Integer(0), m - 1
     raise ValueError(f"unsupported index expression {e}")
+
+
+def _floor_of(a, d, sizes: Sizes, end: bool = False):
+    """a // d; with end, (a - 1) // d for an exclusive end a: exact where d divides a (x < s*k gives
+    x // k <= s - 1, which FloorDiv(s*k - 1, k) would not show for a symbolic k)."""
+    if sizes.divides(d, a):
+        q = sympy.cancel(a / d)
+        return q - 1 if end else q
+    return FloorDiv(a - 1, d) if end else FloorDiv(a, d)
 
 
 def _split(e, divisor, ranges):
