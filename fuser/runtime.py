@@ -289,7 +289,7 @@ class RegionKernel(torch.nn.Module):
                 raise RuntimeError(
                     f"{self.name}: input {i} is {tuple(t.shape)} {t.dtype}, but the kernel was made for "
                     f"{sig.shape} {sig.dtype} = {shp} at these sizes; recapture (fuser.fuse) for new shapes or dtypes")
-            if any(a != b for a, b, n in zip(t.stride(), st, shp) if n != 1):
+            if t.stride() != st and any(a != b for a, b, n in zip(t.stride(), st, shp) if n != 1):
                 generic.append(i)
         outs = [torch.empty_strided(shp, st, dtype=s.dtype, device=device)
                 for shp, st, s in zip(out_shapes, out_strides, self.out_sigs)]
@@ -297,7 +297,9 @@ class RegionKernel(torch.nn.Module):
             return outs, None
         if self.reduction and r == 0:
             raise NotForTheseSizes(f"{self.name}: a reduction over 0 elements")
-        wide = any(_max_offset(t.shape, t.stride()) >= WIDE for t in (*inputs, *outs))
+        # offsets from a tensor's data pointer stay inside its storage: bounded by the storage's size
+        wide = rows * max(r, 1) >= WIDE or any(
+            t.untyped_storage().nbytes() >= WIDE * t.element_size() for t in (*inputs, *outs))
         variant = self._dynamic((persistent_at(r) if self.reduction else True, wide, tuple(generic)))
         plan = self._plans.get((rows, r))
         if plan is None:
