@@ -99,11 +99,12 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
 
 class KernelWriter:
     def __init__(self, region: Region, inputs: list, outputs: list, device_type: str, name: str,
-                 persistent: bool, wide: bool, cost):
+                 persistent: bool, wide: bool, cost, constant: tuple = ()):
         self.region, self.cg, self.space = region, region.cg, region.space
         self.in_sig = dict(zip(region.inputs, [_simplified(s, region.cg.sizes) for s in inputs]))
         self.out_sig = dict(zip(region.outputs, [_simplified(s, region.cg.sizes) for s in outputs]))
         self.persistent, self.wide, self.cost = persistent, wide, cost
+        self.constant = set(constant)  # size symbols made compile-time constants (see RegionKernel)
         self.name = name
         self.reduction = self.space.is_reduction
         self.sizes = self.cg.sizes
@@ -553,7 +554,7 @@ class KernelWriter:
         sizes = self._size_params(body)
         params = [self.ptr[n] for n in self.region.inputs] + [self.ptr[n] for n in self.region.outputs]
         params += ["err_ptr"] if self.checks and interpreting() else []
-        params += [str(s) for s in sizes]
+        params += [f"{s}: tl.constexpr" if s in self.constant else str(s) for s in sizes]
         params += ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.reduction else [])
         used = ops.helpers_for(body)
         header = self._header()
@@ -614,6 +615,7 @@ def _value(e, hint) -> str:
 
 
 def generate(region: Region, inputs: list, outputs: list, *, device_type: str, name: str,
-             persistent: bool, wide: bool, cost) -> KernelSource:
+             persistent: bool, wide: bool, cost, constant: tuple = ()) -> KernelSource:
+    """`constant`: size symbols the kernel takes as constexprs (one compile per value) rather than ints."""
     with target(device_type):
-        return KernelWriter(region, inputs, outputs, device_type, name, persistent, wide, cost).generate()
+        return KernelWriter(region, inputs, outputs, device_type, name, persistent, wide, cost, constant).generate()

@@ -164,6 +164,7 @@ def _spec(a):
 
 
 WIDE = 2**31  # offsets from here on need 64-bit index math
+CONSTANT_ROWS = 4  # row lengths of a looped reduction that get a variant with the length built in
 
 
 class EagerCheckError(RuntimeError):
@@ -213,13 +214,14 @@ class RegionKernel(torch.nn.Module):
         self.symbols = self._symbols()
         self.seen: tuple = ()  # the size arguments of the latest call (the report's values)
         self._plans: dict = {}  # (rows, r) -> launch config, for kernels over symbolic sizes
+        self._rows_constant: set = set()  # row lengths with a variant of their own (_constant_row)
         self.variants: dict = {}
         if self.symbols:
             self._shapes_at = _shape_function(self.symbols, self.in_sigs, self.out_sigs, region.space)
             hints = [self.sizes.hint(s) for s in self.symbols]
             *_, rows, r = self._shapes_at(*hints)
             # the variant for the captured layout at the hints: emitting it now also proves it can be
-            self.source = self._dynamic((persistent_at(r) if self.reduction else True, False, ())).src.source
+            self.source = self._dynamic((persistent_at(r) if self.reduction else True, False, (), None)).src.source
         else:
             self._captured = self._static(self.in_sigs)
             self.source = self._captured[0].src.source
@@ -240,8 +242,8 @@ class RegionKernel(torch.nn.Module):
                     found |= ix.size_symbols(a.meta["val"])
         return tuple(sorted(found, key=str))
 
-    def _generate(self, in_sigs, out_sigs, persistent: bool, wide: bool):
-        return self.generate(list(in_sigs), list(out_sigs), persistent=persistent, wide=wide)
+    def _generate(self, in_sigs, out_sigs, persistent: bool, wide: bool, constant: tuple = ()):
+        return self.generate(list(in_sigs), list(out_sigs), persistent=persistent, wide=wide, constant=constant)
 
     # ------------------------------------------------------------------ static sizes
     def _static(self, sigs: tuple):
@@ -269,20 +271,37 @@ class RegionKernel(torch.nn.Module):
 
     # ------------------------------------------------------------------ symbolic sizes
     def _dynamic(self, key: tuple) -> _Variant:
-        """The variant (persistent, wide, inputs with generic strides) of the symbolic kernel."""
+        """The variant (persistent, wide, inputs with generic strides, row length made constant) of
+        the symbolic kernel."""
         hit = self.variants.get(key)
         if hit is None:
-            persistent, wide, generic = key
+            persistent, wide, generic, row_length = key
             sigs = list(self.in_sigs)
             for i in generic:  # strides as arguments: in<i>_st<d>
                 strides = tuple(sympy.Symbol(f"in{i}_st{d}", integer=True, nonnegative=True) for d in range(len(sigs[i].shape)))
                 sigs[i] = TensorSig(sigs[i].shape, strides, sigs[i].dtype)
-            src = self._generate(sigs, self.out_sigs, persistent, wide)
+            constant = tuple(ix.size_symbols(self.region.space.r)) if row_length is not None else ()
+            src = self._generate(sigs, self.out_sigs, persistent, wide, constant)
             where = {s: ("size", k) for k, s in enumerate(self.symbols)}
             params = [where.get(p) or ("stride", int(str(p)[2:].split("_")[0]), int(str(p).split("_st")[1]))
                       for p in src.params]
             hit = self.variants[key] = _Variant(src, params)
         return hit
+
+    def _constant_row(self, r: int):
+        """A looped reduction over a symbolic row length runs its loop a third slower than over a
+        constant one (H100, cross-entropy over 128256 logits: 1.29 vs 0.97 ms; bench/notes.md), so
+        the first CONSTANT_ROWS row lengths it meets each get a variant with the length built in
+        (a vocabulary or hidden size rarely varies); lengths past those share the generic variant.
+        The variant is keyed by the exact length: never run for another."""
+        symbols = ix.size_symbols(self.region.space.r)
+        if len(symbols) != 1 or next(iter(symbols)) != self.region.space.r:
+            return None  # only a row length that is one symbol can be passed as that constant
+        seen = self._rows_constant
+        if r in seen or len(seen) < CONSTANT_ROWS:
+            seen.add(r)
+            return r
+        return None
 
     def seen_sizes(self) -> dict:
         return dict(zip(self.symbols, self.seen))
@@ -307,7 +326,8 @@ class RegionKernel(torch.nn.Module):
         # offsets from a tensor's data pointer stay inside its storage: bounded by the storage's size
         wide = rows * max(r, 1) >= WIDE or any(
             t.untyped_storage().nbytes() >= WIDE * t.element_size() for t in (*inputs, *outs))
-        variant = self._dynamic((persistent_at(r) if self.reduction else True, wide, tuple(generic)))
+        persistent = persistent_at(r) if self.reduction else True
+        variant = self._dynamic((persistent, wide, tuple(generic), self._constant_row(r) if not persistent else None))
         plan = self._plans.get((rows, r))
         if plan is None:
             plan = self._plans[(rows, r)] = block_plan(rows, r if self.reduction else None, self.device_type)

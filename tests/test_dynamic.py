@@ -94,6 +94,25 @@ def test_long_and_short_rows_of_one_symbolic_kernel(device):
     assert kernels and {key[0] for k in kernels for key in k.variants} == {True, False}
 
 
+def test_looped_rows_get_their_length_built_in_a_few_times(device):
+    """A looped reduction gets a variant with its row length as a constant for the first few lengths
+    it meets (keyed by the exact length), then shares the generic variant: all of them correct."""
+    from fuser.runtime import CONSTANT_ROWS
+
+    def f(x):
+        return torch.log_softmax(x, -1)
+
+    graphs = []
+    compiled = torch.compile(f, backend=_keeping(graphs), dynamic=True)
+    lengths = [16400 + 3 * i for i in range(CONSTANT_ROWS + 2)]
+    for n in lengths + lengths[:1]:
+        x = torch.randn(2, n, device=device)
+        assert_close_to_eager(compiled(x), f(x))
+    kernels = [m for g in graphs for m in g.modules() if isinstance(m, RegionKernel)]
+    looped = {key[3] for k in kernels for key in k.variants if not key[0]}
+    assert looped == set(lengths[:CONSTANT_ROWS]) | {None}
+
+
 def test_non_contiguous_inputs_at_symbolic_sizes(device):
     """An input whose strides are not the captured ones runs a variant that takes them as arguments."""
     def f(x, y):
