@@ -218,3 +218,38 @@ def _keeping(graphs: list):
     from fuser import backend
     return backend.make_backend(lambda report, gm: graphs.append(gm))
 
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_decode_loop_with_a_dynamic_cache(arch, device):
+    """A hand-written greedy decode: prefill, then 32 steps of one token each with a DynamicCache
+    growing by one; fused tokens equal the unfused model's, at most 3 forward graphs, and both the
+    prefill and the decode steps run fused kernels."""
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64, attn_implementation="eager"))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, attn_implementation="eager"))
+    model = model.to(device).eval()
+    fused = fuser.fuse(model)
+    prompt = torch.randint(0, 97, (1, 5), device=device)
+
+    def decode(step):
+        cache, ids, out, regions = transformers.DynamicCache(), prompt, [], []
+        with torch.no_grad():
+            for _ in range(33):
+                logits = step(input_ids=ids, past_key_values=cache, use_cache=True).logits
+                ids = logits[:, -1:].argmax(-1)
+                out.append(int(ids))
+                regions.append(len(fused.report.regions))
+        return out, regions
+
+    before = len(fuser.reports())
+    got, regions = decode(fused)
+    want, _ = decode(model)
+    assert got == want
+    assert len(_forward_graphs(before)) <= 3
+    assert regions[0] > 0 and all(r > 0 for r in regions[1:]), regions  # prefill and every decode step
