@@ -1,0 +1,108 @@
+"""Host time per call (issue 10): how long Python takes to issue one call of a compiled graph.
+
+Two graphs: one kernel (an RMSNorm, 64x4096 bf16, whose kernel takes a few microseconds) and about
+twenty (ten blocks of matmul -> LayerNorm + GELU). Systems: eager, Inductor (default and
+reduce-overhead), fuser (static and dynamic=True). For each: host us per call (calls issued back to
+back without synchronising, best of 5 x 1000: when it exceeds the GPU time, the GPU waits on Python)
+and the synchronised wall time per call (do_bench median). GPU only.
+
+    python bench/host.py [--out DIR]      # writes <gpu>-<date>-host.{md,json}
+"""
+import argparse
+import datetime
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import fuser  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+class Blocks(nn.Module):
+    """Ten matmuls, each followed by LayerNorm + GELU: ~20 kernels a call."""
+
+    def __init__(self, d, n=10):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(n))
+
+    def forward(self, x):
+        for lin, norm in zip(self.linears, self.norms):
+            x = F.gelu(norm(lin(x)))
+        return x
+
+
+def host_us(fn, x):
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(1000):
+            fn(x)
+        best = min(best, (time.perf_counter() - start) / 1000 * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def systems(module):
+    yield "eager", module
+    yield "inductor", torch.compile(module)
+    yield "inductor reduce-overhead", torch.compile(module, mode="reduce-overhead")
+    yield "fuser", fuser.fuse(module)
+    yield "fuser dynamic=True", fuser.fuse(module, dynamic=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args()
+    torch.manual_seed(0)
+    graphs = {"one kernel (RMSNorm 64x4096)": (RMSNorm(4096), (64, 4096)),
+              "~20 kernels (10 x matmul, LayerNorm, GELU; 64x1024)": (Blocks(1024), (64, 1024))}
+    rows = []
+    with torch.no_grad():
+        for graph, (module, shape) in graphs.items():
+            module = module.to("cuda", BF16).eval()
+            x = torch.randn(shape, device="cuda", dtype=BF16)
+            for name, fn in systems(module):
+                torch._dynamo.reset()
+                for _ in range(30):  # compile, warm up (reduce-overhead records its graph)
+                    fn(x)
+                ms = do_bench(lambda: fn(x), warmup=25, rep=100, return_mode="median")
+                rows.append({"graph": graph, "system": name, "host_us": host_us(fn, x), "wall_us": ms * 1000})
+                print(rows[-1], flush=True)
+    gpu = torch.cuda.get_device_name()
+    stem = Path(args.out) / f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{datetime.date.today()}-host"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    lines = [f"# host time per call: {gpu}, {datetime.date.today()}", "",
+             f"torch {torch.__version__}; host us = Python's time to issue one call (best of 5 x 1000 calls, no "
+             "sync); wall us = do_bench median of one synchronised call.", "",
+             "| graph | system | host us/call | wall us/call |", "|---|---|---|---|"]
+    lines += [f"| {r['graph']} | {r['system']} | {r['host_us']:.1f} | {r['wall_us']:.1f} |" for r in rows]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
