@@ -8,7 +8,7 @@ import copy
 import torch
 import transformers
 
-import fuser  # noqa: F401  (registers the backend; on CPU it also turns Triton's interpreter on)
+import fuser  # noqa: F401  (registers the backend; kernels for CPU tensors run through Triton's interpreter)
 
 
 def main(steps: int = 10):
