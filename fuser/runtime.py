@@ -116,7 +116,10 @@ def run_interpreted(fn, grid, *args, **kwargs):
         return fn[grid](*args, **kwargs)
 
 
+# torch.cuda.current_device() and current_stream() wrap these with checks that cost microseconds
+# per launch; the launch path calls the bindings themselves
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+_current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else None
 
 
 class Launcher:
@@ -137,10 +140,10 @@ class Launcher:
         if self.interpreted:
             run_interpreted(self.fn, (grid,), *args, **self.meta)
             return
-        key = tuple([_spec(a) for a in args])
+        key = tuple([a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else _int_spec(a) for a in args])
         compiled = self.compiled.get(key)
         if compiled is not None and _no_launch_hooks():
-            stream = _raw_stream(torch.cuda.current_device())
+            stream = _raw_stream(_current_device())
             compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
                          None, None, None, *args, *self.constexprs)
             return
@@ -156,11 +159,9 @@ def _no_launch_hooks() -> bool:
     return hook is None or not getattr(hook, "calls", True)
 
 
-def _spec(a):
-    """What Triton's JIT specialises an argument on."""
-    if isinstance(a, int):
-        return (a == 1, a % 16 == 0, -2**31 <= a < 2**31)
-    return a.data_ptr() % 16 == 0
+def _int_spec(a: int) -> tuple:
+    """What Triton's JIT specialises an int argument on (a tensor: its pointer's 16-byte alignment)."""
+    return (a == 1, a % 16 == 0, -2**31 <= a < 2**31)
 
 
 WIDE = 2**31  # offsets from here on need 64-bit index math
@@ -364,7 +365,7 @@ class RegionKernel(torch.nn.Module):
             for message, bad in zip(src.checks, flags.tolist()):
                 if bad:
                     raise EagerCheckError(f"{message} (in fuser kernel {self.name})")
-        elif device.type == "cuda" and device.index != torch.cuda.current_device():
+        elif device.type == "cuda" and device.index != _current_device():
             with torch.cuda.device(device):
                 launcher(plan.programs, *inputs, *outs, *sizes)
         else:
