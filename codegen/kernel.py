@@ -537,16 +537,11 @@ class KernelWriter:
         return self._assemble()
 
     def _size_params(self, body: str) -> tuple:
-        """The size symbols the body names, in a fixed order: the kernel's int arguments."""
-        found = set(self.sizes.hints) | set(self.sizes.ranges)
-        for sig in [*self.in_sig.values(), *self.out_sig.values()]:
-            found |= ix.size_symbols(*sig.shape, *sig.stride)
-        for e in self.space.full:
-            found |= ix.size_symbols(e)
-        for n in self.region.nodes:
-            for a in n.all_input_nodes:
-                if is_size(a):
-                    found |= ix.size_symbols(a.meta["val"])
+        """The size symbols the body names, in a fixed order: the kernel's int arguments (the
+        region's, and the strides a generic-strides variant takes)."""
+        found = set(self.region.size_symbols)
+        for sig in self.in_sig.values():
+            found |= ix.size_symbols(*sig.stride)
         return tuple(s for s in sorted(found, key=str) if re.search(rf"\b{s}\b", body))
 
     def _assemble(self) -> KernelSource:

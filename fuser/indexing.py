@@ -75,7 +75,7 @@ class Sizes:
         return int(e.xreplace(subs))
 
     def bounds(self, e) -> ValueRanges:
-        e = _drop_minmax(expr(e), self)
+        e = self.simplify(e)
         rng = {s: self.ranges.get(s, ValueRanges(0 if s.is_nonnegative else -int_oo, int_oo))
                for s in e.free_symbols}
         try:

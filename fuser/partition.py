@@ -35,6 +35,7 @@ class Partitioner:
         self.group: dict = {}
         self.members: dict[int, set] = {}
         self.reasons: dict = {}
+        self.costs: dict = {}  # region -> Cost, for the regions partition() returns
 
     def candidate(self, n) -> bool:
         return self.cg.is_compute(n) and self.cg.fusible(n) and self.supported(n)
@@ -51,9 +52,9 @@ class Partitioner:
         space = analyze(self.cg, list(nodes))
         return None if space is None else Region(self.cg, list(nodes), space, rid)
 
-    @staticmethod
-    def cost(region: Region) -> Cost:
-        return region_cost(region)
+    def cost(self, region: Region) -> Cost:
+        """The region's cost; that of a region partition() returns is kept for the pipeline to hand on."""
+        return self.costs.get(region) or region_cost(region)
 
     def creates_cycle(self, a: set, b: set) -> bool:
         """Would a path leave the merged group and come back into it?"""
@@ -110,10 +111,12 @@ class Partitioner:
             region = self.region(nodes, len(regions))
             if region is None:
                 continue
-            if self.cost(region).time_fused() >= sum(eager_time(self.cg, n) for n in nodes):
+            cost = self.cost(region)
+            if cost.time_fused() >= sum(eager_time(self.cg, n) for n in nodes):
                 for n in compute:
                     self.reasons[n] = "fusing its group would not pay by the cost model"
                 continue
+            self.costs[region] = cost
             regions.append(region)
         return regions
 

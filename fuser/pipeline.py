@@ -5,10 +5,9 @@ node, sizes symbolic where Dynamo made them so; forward and backward graphs alik
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
-
-import functools
 
 import sympy
 import torch
@@ -22,8 +21,7 @@ from fuser.patterns.attention import causal_offset, find
 from . import ops
 from .cost import eager_cost, tensor_bytes
 from .dtypes import target
-from .graph import meta, shape
-from .graph import ComputeGraph
+from .graph import ComputeGraph, meta, shape
 from .runtime import AttentionKernel, RegionKernel
 from .partition import Partitioner
 from .report import FusionReport, RegionReport, Unfused

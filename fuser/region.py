@@ -13,8 +13,9 @@ from functools import cached_property
 import sympy
 import torch
 
+from . import indexing as ix
 from . import ops
-from .graph import ComputeGraph, meta, shape
+from .graph import ComputeGraph, is_size, meta, operands, shape
 
 # The online-softmax pattern, sum(exp(A - amax(A))) over the amax's dims: op by op the sum needs the
 # max first (two passes over a row too long for registers); a running sum rescaled whenever the
@@ -170,6 +171,26 @@ class Region:
         if n.target is operator.getitem:
             return [n.args[0]]
         return [a for a in self.cg.data_inputs(n) if a in self.members]
+
+    @cached_property
+    def size_symbols(self) -> tuple:
+        """The size symbols the kernel's index math can name, in a fixed order: those of every node
+        it reads through (members, the views between them, its inputs) and of size arguments."""
+        found, stack, seen = set(), list(self.nodes), set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            v = n.meta.get("val")
+            if is_size(n):
+                found |= ix.size_symbols(v)
+                continue
+            if isinstance(v, torch.Tensor):
+                found |= ix.size_symbols(*v.shape, *v.stride())
+            if n in self.members or self.cg.transparent(n):
+                stack.extend(operands(n))
+        return tuple(sorted(found, key=str))
 
     def cone_inputs(self, roots) -> set:
         """Region inputs read to compute `roots` within one pass (stopping at reductions)."""

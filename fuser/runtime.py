@@ -38,7 +38,7 @@ from triton.runtime.jit import JITFunction
 
 from . import indexing as ix
 from .dtypes import interpreted
-from .graph import is_size, meta
+from .graph import meta
 from .plan import TensorSig, block_plan
 from .region import Region, persistent_at
 
@@ -181,7 +181,7 @@ class _Variant:
     """One generated kernel and its launchers, one per launch config."""
 
     def __init__(self, src, params: list):
-        self.src, self.params = src, params  # params: how to get each size argument (see _size_args)
+        self.src, self.params = src, params  # params: where each size argument comes from (see _dynamic)
         self.fn = None
         self.launchers: dict = {}
 
@@ -212,7 +212,9 @@ class RegionKernel(torch.nn.Module):
         self.device = meta(region.outputs[0]).device  # where a region with no tensor inputs runs
         self.device_type = self.device.type
         self.reduction = region.space.is_reduction
-        self.symbols = self._symbols()
+        self.symbols = region.size_symbols
+        r_symbols = ix.size_symbols(region.space.r)  # a row length that is one symbol can be made constant
+        self._row_symbol = region.space.r if len(r_symbols) == 1 and next(iter(r_symbols)) == region.space.r else None
         self.seen: tuple = ()  # the size arguments of the latest call (the report's values)
         self._plans: dict = {}  # (rows, r) -> launch config, for kernels over symbolic sizes
         self._rows_constant: set = set()  # row lengths with a variant of their own (_constant_row)
@@ -230,18 +232,6 @@ class RegionKernel(torch.nn.Module):
             self._rows, self._r = int(space.rows), int(space.r)
             self.empty = self._rows == 0 or (self.reduction and self._r == 0)
             self._plan = block_plan(self._rows, self._r if self.reduction else None, self.device_type)
-
-    def _symbols(self) -> tuple:
-        """The size symbols the shapes, strides and arguments of this region are written in."""
-        found = set()
-        for sig in (*self.in_sigs, *self.out_sigs):
-            found |= ix.size_symbols(*sig.shape, *sig.stride)
-        found |= ix.size_symbols(*self.region.space.full)
-        for n in self.region.nodes:
-            for a in n.all_input_nodes:
-                if is_size(a):
-                    found |= ix.size_symbols(a.meta["val"])
-        return tuple(sorted(found, key=str))
 
     def _generate(self, in_sigs, out_sigs, persistent: bool, wide: bool, constant: tuple = ()):
         return self.generate(list(in_sigs), list(out_sigs), persistent=persistent, wide=wide, constant=constant)
@@ -277,15 +267,15 @@ class RegionKernel(torch.nn.Module):
         hit = self.variants.get(key)
         if hit is None:
             persistent, wide, generic, row_length = key
+            where = {s: ("size", k) for k, s in enumerate(self.symbols)}
             sigs = list(self.in_sigs)
             for i in generic:  # strides as arguments: in<i>_st<d>
                 strides = tuple(sympy.Symbol(f"in{i}_st{d}", integer=True, nonnegative=True) for d in range(len(sigs[i].shape)))
+                where.update({s: ("stride", i, d) for d, s in enumerate(strides)})
                 sigs[i] = TensorSig(sigs[i].shape, strides, sigs[i].dtype)
-            constant = tuple(ix.size_symbols(self.region.space.r)) if row_length is not None else ()
+            constant = (self._row_symbol,) if row_length is not None else ()
             src = self._generate(sigs, self.out_sigs, persistent, wide, constant)
-            where = {s: ("size", k) for k, s in enumerate(self.symbols)}
-            params = [where.get(p) or ("stride", int(str(p)[2:].split("_")[0]), int(str(p).split("_st")[1]))
-                      for p in src.params]
+            params = [where[p] for p in src.params]
             hit = self.variants[key] = _Variant(src, params)
         return hit
 
@@ -295,8 +285,7 @@ class RegionKernel(torch.nn.Module):
         the first CONSTANT_ROWS row lengths it meets each get a variant with the length built in
         (a vocabulary or hidden size rarely varies); lengths past those share the generic variant.
         The variant is keyed by the exact length: never run for another."""
-        symbols = ix.size_symbols(self.region.space.r)
-        if len(symbols) != 1 or next(iter(symbols)) != self.region.space.r:
+        if self._row_symbol is None:
             return None  # only a row length that is one symbol can be passed as that constant
         seen = self._rows_constant
         if r in seen or len(seen) < CONSTANT_ROWS:
