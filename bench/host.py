@@ -1,10 +1,11 @@
 """Host time per call (issue 10): how long Python takes to issue one call of a compiled graph.
 
-Two graphs: one kernel (an RMSNorm, 64x4096 bf16, whose kernel takes a few microseconds) and about
-twenty (ten blocks of matmul -> LayerNorm + GELU). Systems: eager, Inductor (default and
-reduce-overhead), fuser (static and dynamic=True). For each: host us per call (calls issued back to
-back without synchronising, best of 5 x 1000: when it exceeds the GPU time, the GPU waits on Python)
-and the synchronised wall time per call (do_bench median). GPU only.
+Three graphs: one kernel (an RMSNorm, 64x4096 bf16, whose kernel takes a few microseconds), about
+twenty (ten blocks of matmul -> LayerNorm + GELU), and a launch-bound GPT-2 (2 layers, B1 T32, HF).
+Systems: eager, Inductor (default and reduce-overhead), fuser through torch.compile (default and
+reduce-overhead, i.e. CUDA graphs), fuser through fuse() (static and dynamic=True). For each: host us
+per call (calls issued back to back without synchronising, best of 5 x 1000: when it exceeds the GPU
+time, the GPU waits on Python) and the synchronised wall time per call (do_bench median). GPU only.
 
     python bench/host.py [--out DIR]      # writes <gpu>-<date>-host.{md,json}
 """
@@ -68,8 +69,16 @@ def systems(module):
     yield "eager", module
     yield "inductor", torch.compile(module)
     yield "inductor reduce-overhead", torch.compile(module, mode="reduce-overhead")
-    yield "fuser", fuser.fuse(module)
-    yield "fuser dynamic=True", fuser.fuse(module, dynamic=True)
+    yield "fuser", torch.compile(module, backend="fuser")
+    yield "fuser reduce-overhead", torch.compile(module, backend="fuser", mode="reduce-overhead")
+    yield "fuser.fuse()", fuser.fuse(module)
+    yield "fuser.fuse(dynamic=True)", fuser.fuse(module, dynamic=True)
+
+
+def gpt2():
+    import transformers  # only this graph needs it
+    cfg = transformers.GPT2Config(n_layer=2, use_cache=False)
+    return transformers.GPT2LMHeadModel(cfg)
 
 
 def main():
@@ -78,18 +87,23 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     graphs = {"one kernel (RMSNorm 64x4096)": (RMSNorm(4096), (64, 4096)),
-              "~20 kernels (10 x matmul, LayerNorm, GELU; 64x1024)": (Blocks(1024), (64, 1024))}
+              "~20 kernels (10 x matmul, LayerNorm, GELU; 64x1024)": (Blocks(1024), (64, 1024)),
+              "GPT-2, 2 layers, B1 T32 (HF)": (gpt2(), None)}
     rows = []
     with torch.no_grad():
         for graph, (module, shape) in graphs.items():
             module = module.to("cuda", BF16).eval()
-            x = torch.randn(shape, device="cuda", dtype=BF16)
+            x = (torch.randn(shape, device="cuda", dtype=BF16) if shape else
+                 torch.randint(0, 50257, (1, 32), device="cuda"))
             for name, fn in systems(module):
                 torch._dynamo.reset()
-                for _ in range(30):  # compile, warm up (reduce-overhead records its graph)
-                    fn(x)
-                ms = do_bench(lambda: fn(x), warmup=25, rep=100, return_mode="median")
-                rows.append({"graph": graph, "system": name, "host_us": host_us(fn, x), "wall_us": ms * 1000})
+                try:
+                    for _ in range(30):  # compile, warm up (reduce-overhead records its graph)
+                        fn(x)
+                    ms = do_bench(lambda: fn(x), warmup=25, rep=100, return_mode="median")
+                    rows.append({"graph": graph, "system": name, "host_us": host_us(fn, x), "wall_us": ms * 1000})
+                except Exception as e:  # one system failing leaves the others measured
+                    rows.append({"graph": graph, "system": name, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
                 print(rows[-1], flush=True)
     gpu = torch.cuda.get_device_name()
     stem = Path(args.out) / f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{datetime.date.today()}-host"
@@ -99,7 +113,8 @@ def main():
              f"torch {torch.__version__}; host us = Python's time to issue one call (best of 5 x 1000 calls, no "
              "sync); wall us = do_bench median of one synchronised call.", "",
              "| graph | system | host us/call | wall us/call |", "|---|---|---|---|"]
-    lines += [f"| {r['graph']} | {r['system']} | {r['host_us']:.1f} | {r['wall_us']:.1f} |" for r in rows]
+    lines += [f"| {r['graph']} | {r['system']} | {r['host_us']:.1f} | {r['wall_us']:.1f} |" if "error" not in r
+              else f"| {r['graph']} | {r['system']} | {r['error'][:80]} | |" for r in rows]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -20,6 +20,8 @@ from fuser import ops
 from fuser.graph import is_generator, is_size, meta, shape
 from fuser.region import PERSISTENT_MAX_R, Region
 
+aten = torch.ops.aten
+
 from fuser.dtypes import TL_DTYPE, compute_dtype, convert, interpreting, literal, math_import, target
 
 
@@ -220,17 +222,27 @@ class KernelWriter:
         return self._layout(n, kind, idx, cond)
 
     def _gather(self, n, idx, cond) -> str:
-        """out[i] = src[i with dim -> index[i]]: the index is loaded, then names a symbol in the
-        source's index math.  An index out of range raises, as in eager; the load is masked by it, so
-        no lane ever reads outside the source."""
-        src, dim, index = n.args[0], n.args[1] % len(idx), n.args[2]
-        iv = self.value(index, idx, cond)
+        """out[i] = src[i with dim -> index[...]] (gather, index_select, indexing by one tensor): the
+        index is loaded (or computed, as for torch's roll), then names a symbol in the source's index
+        math.  An index out of range raises, as in eager; the load is masked by it, so no lane ever
+        reads outside the source.  Indexing (`x[t]`) takes negative indices from the end, as eager."""
+        src, dim, index, at, span = ops.gather_parts(n)
+        index_idx = tuple(idx) if span is None else tuple(idx[at:at + span])
+        iv = self.value(index, index_idx, cond)
         size = shape(src)[dim]
+        if n.target.overloadpacket is aten.index:
+            valid = f"({iv} >= -{ix.texpr(size)}) & ({iv} < {ix.texpr(size)})"
+            self._check(ops.Check(valid, f"index out of bounds for dimension {dim} with size {size}"), cond)
+            iv = self.new(f"tl.where({iv} < 0, {iv} + {ix.texpr(size)}, {iv})", self.dtypes[iv])
+        valid = f"({iv} >= 0) & ({iv} < {ix.texpr(size)})"
+        if n.target.overloadpacket is not aten.index:
+            self._check(ops.Check(valid, f"gather: index out of bounds for dimension {dim} with size {size}"), cond)
         sym = sympy.Symbol(f"g{len(self.aliases)}", integer=True, nonnegative=True)
         self.aliases[sym], self.ranges[sym] = sympy.Symbol(iv), size
-        valid = f"({iv} >= 0) & ({iv} < {ix.texpr(size)})"
-        self._check(ops.Check(valid, f"gather: index out of bounds for dimension {dim} with size {size}"), cond)
-        src_idx = tuple(sym if d == dim else i for d, i in enumerate(idx))
+        if span is None:
+            src_idx = tuple(sym if d == dim else i for d, i in enumerate(idx))
+        else:
+            src_idx = (*idx[:at], sym, *idx[at + span:])
         v = self.value(src, src_idx, f"({cond}) & {valid}" if cond else valid)
         cdt = compute_dtype(meta(n).dtype)
         return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
@@ -265,14 +277,18 @@ class KernelWriter:
         for src, src_idx, bounds in reversed(branches):
             if bounds is not None and not isinstance(bounds[0], tuple):
                 bounds = (bounds,)
-            here = None if bounds is None else " & ".join(
-                f"(({self.print_index(idx[d])}) >= {ix.texpr(lo)}) & (({self.print_index(idx[d])}) < {ix.texpr(hi)})"
-                for lo, hi, d in bounds)
+            here = None if bounds is None else " & ".join(self._in_bounds(idx[b[2]], *b) for b in bounds)
             sub_cond = cond if here is None else (f"({cond}) & {here}" if cond else here)
             v = self.value(src, self._alias_bounded(src_idx, bounds), sub_cond)
             v = convert(v, self.dtypes[v], cdt)
             result = v if here is None or result is None else f"tl.where({here}, {v}, {result})"
         return self.new(result, cdt)
+
+    def _in_bounds(self, i, lo, hi, d, step=1) -> str:
+        """Triton source: lo <= i < hi, and i - lo a multiple of step (a strided slice_scatter)."""
+        i = self.print_index(i)
+        here = f"(({i}) >= {ix.texpr(lo)}) & (({i}) < {ix.texpr(hi)})"
+        return here if step == 1 else f"{here} & ((({i}) - {ix.texpr(lo)}) % {step} == 0)"
 
     def _alias_bounded(self, idx, bounds) -> tuple:
         """Inside a cat/pad branch the shifted index is in range (other lanes are masked): give it a
@@ -280,10 +296,10 @@ class KernelWriter:
         if bounds is None:
             return idx
         idx = list(idx)
-        for lo, hi, d in bounds:
+        for lo, hi, d, *step in bounds:
             sym = sympy.Symbol(f"c{len(self.aliases)}", integer=True, nonnegative=True)
             self.aliases[sym] = idx[d]
-            self.ranges[sym] = hi - lo
+            self.ranges[sym] = ix.FloorDiv(hi - lo + (step[0] - 1), step[0]) if step else hi - lo
             idx[d] = sym
         return tuple(idx)
 

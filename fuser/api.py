@@ -264,7 +264,8 @@ class FusedModule(torch.nn.Module):
 
     @property
     def code(self) -> str:
-        """The rewritten graphs as Python: each fused region is one `self.fused_<i>(...)` call."""
+        """The rewritten graphs as Python: each fused region is one `kernels_fused_<i>(...)` call,
+        its output buffers allocated (and reused) in the program."""
         return "\n".join(self.report.code)
 
 

@@ -16,7 +16,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .pipeline import compile_graph
 from .decompositions import decompositions
-from .runtime import EagerCheckError, NotForTheseSizes
+from .runtime import CudaGraphs, EagerCheckError, NotForTheseSizes, cuda_graph_refusal, static_inputs
 from .report import FusionReport
 
 log = logging.getLogger("fuser")
@@ -24,7 +24,12 @@ _reports: list[FusionReport] = []
 _lock = threading.Lock()
 
 # option -> (default, allowed values, what it does)
-OPTIONS = {"attention": (True, (True, False), "recognise hand-written attention and run it as one kernel")}
+OPTIONS = {"attention": (True, (True, False), "recognise hand-written attention and run it as one kernel"),
+           "cuda_graphs": (False, (True, False), "replay each graph's kernels as CUDA graphs (GPU only)")}
+# torch.compile's modes, as fuser options: reduce-overhead is CUDA graphs; fuser does not autotune
+# (yet), so max-autotune is read as reduce-overhead and max-autotune-no-cudagraphs as default
+MODES = {"default": {}, "reduce-overhead": {"cuda_graphs": True}, "max-autotune": {"cuda_graphs": True},
+         "max-autotune-no-cudagraphs": {}}
 
 
 def record(report: FusionReport) -> int:
@@ -91,7 +96,9 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
     `sink(report, gm)` hears of each graph compiled, `ran(report)` of each graph run."""
     opts = validate(options)
 
-    def compiler(backward: bool):
+    n_dynamo_inputs = [0]  # of the graph Dynamo gave (set per graph, below)
+
+    def compiler(backward: bool, inference: bool = False):
         def compile_(gm, example_inputs):
             index = len(_reports)
             try:
@@ -105,14 +112,19 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
             record(report)
             if sink is not None:
                 sink(report, new)
-            return make_boxed_func(GraphRunner(new.forward, gm.forward, report, ran))
+            run = make_boxed_func(GraphRunner(new.forward, gm.forward, report, ran))
+            if opts["cuda_graphs"]:
+                run = _cuda_graphed(run, gm, example_inputs, report, backward, inference, n_dynamo_inputs[0], ran)
+            return run
         return compile_
 
     # min-cut: the forward saves what is cheapest by bytes and recomputes cheap pointwise work instead
-    aot = aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True), decompositions=decompositions(),
+    aot = aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True),
+                       inference_compiler=compiler(False, inference=True), decompositions=decompositions(),
                        partition_fn=min_cut_rematerialization_partition)
 
     def backend(gm, example_inputs):
+        n_dynamo_inputs[0] = len(example_inputs)
         try:
             return aot(gm, example_inputs)
         except (RestartAnalysis, SkipFrame):
@@ -127,6 +139,38 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
     return backend
 
 
-def fuser_backend(gm, example_inputs, options: dict | None = None):
-    """Entry point registered as `torch_dynamo_backends: fuser`."""
-    return make_backend(options=options)(gm, example_inputs)
+def _cuda_graphed(run, gm, example_inputs, report: FusionReport, backward: bool, inference: bool,
+                  n_dynamo_inputs: int, ran):
+    """`run` replayed as CUDA graphs where the graph allows it; else `run`, with the reason noted."""
+    def note(text: str):
+        if text not in report.notes:
+            report.notes.append(text)
+            log.info("fuser: graph %d: %s", report.graph, text)
+
+    static = static_inputs(gm, n_dynamo_inputs, len(example_inputs), backward)
+    reason = cuda_graph_refusal(gm, static)
+    if reason is not None:
+        note(f"cuda_graphs: not used for this graph: {reason}")
+        return run
+    graphed = CudaGraphs(run, gm, example_inputs, static, backward=backward, inference=inference, note=note)
+    note("cuda_graphs: this graph's kernels are replayed as CUDA graphs (one per size)")
+
+    def replay(args):
+        if ran is not None:  # a replay does not run the graph's Python: the report hears of it here
+            ran(report)
+        return graphed(args)
+    replay._boxed_call = True
+    return replay
+
+
+def fuser_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
+    """Entry point registered as `torch_dynamo_backends: fuser`.  torch.compile passes `mode` and
+    `options` through (`mode="reduce-overhead"` turns on CUDA graphs)."""
+    return make_backend(options=options_for(mode, options))(gm, example_inputs)
+
+
+def options_for(mode: str | None, options: dict | None) -> dict:
+    """torch.compile's mode as fuser options; options given explicitly win."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"fuser: mode={mode!r} is not known; known: {', '.join(MODES)}")
+    return {**MODES.get(mode or "default", {}), **(options or {})}

@@ -744,6 +744,47 @@ def _pad(node, idx, ranges):
     return [(src, tuple(out), tuple(conds))], value
 
 
+def gather_parts(node):
+    """(source, dim, index node, where the index sits in the output's dims, how many dims it spans)
+    of a gather-like node: gather's index has the output's shape; index_select's is 1-D at `dim`;
+    `x[..., t, ...]` (one integer index tensor at position p) puts t's dims in place of dim p."""
+    packet = node.target.overloadpacket
+    src = node.args[0]
+    if packet is aten.index:
+        p = next(i for i, t in enumerate(node.args[1]) if t is not None)
+        index = node.args[1][p]
+        return src, p, index, p, index.meta["val"].dim()
+    dim = node.args[1] % max(len(_shape(src)), 1)
+    if packet is aten.gather:
+        return src, dim, node.args[2], 0, None
+    return src, dim, node.args[2], dim, 1
+
+
+def _slice_scatter(node, idx, ranges):
+    """out = input with src written over input[dim][start::step] (len(src) elements): src where the
+    index is in that slice, input elsewhere."""
+    names = ("input", "src", "dim", "start", "end", "step")
+    a = {"dim": 0, "start": None, "end": None, "step": 1, **dict(zip(names, node.args)), **node.kwargs}
+    step = a["step"]
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"slice_scatter with step {step}")
+    dim = a["dim"] % len(idx)
+    size = _shape(a["input"])[dim]
+    start = sympy.Integer(0) if a["start"] is None else _size_arg(a["start"])
+    if start.is_Integer and size.is_Integer:
+        start = min(max(start + size if start < 0 else start, 0), size)
+    elif not _nonneg(start, ranges):
+        raise ValueError(f"slice_scatter start {start} may be negative")
+    out = list(idx)
+    length = _shape(a["src"])[dim]
+    if step == 1:
+        out[dim] = idx[dim] - start
+        return [(a["src"], tuple(out), (start, start + length, dim)), (a["input"], tuple(idx), None)], None
+    out[dim] = ix.FloorDiv(idx[dim] - start, step)
+    hi = start + (length - 1) * step + 1
+    return [(a["src"], tuple(out), ((start, hi, dim, step),)), (a["input"], tuple(idx), None)], None
+
+
 L = Layout
 LAYOUT = {
     aten.view: L(_view), aten._unsafe_view: L(_view), aten.reshape: L(_view), aten.alias: L(_identity),
@@ -753,8 +794,15 @@ LAYOUT = {
     aten.clone: L(_identity, copies=True), aten.lift_fresh_copy: L(_identity, copies=True),
     aten.cat: L(_cat, copies=True), aten.flip: L(_flip, copies=True),
     aten.constant_pad_nd: L(_pad, copies=True),
+    aten.slice_scatter: L(_slice_scatter, copies=True),
+    # gathers: index_select (torch's roll decomposes to it, with an index computed from arange), and
+    # indexing by one integer tensor (a relative-position-bias table); the index is loaded or computed
+    # in the kernel (see the codegen's _gather)
     aten.gather: L(None, copies=True, indirect=True),
+    aten.index_select: L(None, copies=True, indirect=True),
+    aten.index: L(None, copies=True, indirect=True),
 }
+
 
 
 def _permute_dims(node, idx, dims):
@@ -807,7 +855,6 @@ OPAQUE = {
     aten.native_dropout: "random: dropout in training is left to eager",
     aten.bernoulli: "random numbers are left to eager",
     aten.rand: "random numbers are left to eager", aten.randn: "random numbers are left to eager",
-    aten.index: "indexing by a tensor is a gather, left to eager",
 }
 
 # SDPA kernels stay whole (they already never write the scores); the core decompositions would
@@ -823,10 +870,19 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     packet = getattr(target, "overloadpacket", None)
     if packet in OPAQUE:
         return Opaque(OPAQUE[packet])
+    if packet is aten.index and not _one_integer_index(node):
+        return Opaque("indexing by several tensors or by a mask: a gather left to eager")
     for table in (POINTWISE, LAYOUT, REDUCTION):
         if packet in table:
             return table[packet]
     return Opaque(f"no Triton lowering for {target}")
+
+
+def _one_integer_index(node) -> bool:
+    indices = node.args[1] if len(node.args) > 1 else ()
+    given = [t for t in indices if t is not None]
+    return (len(given) == 1 and isinstance(given[0], torch.fx.Node)
+            and given[0].meta["val"].dtype in (torch.int64, torch.int32))
 
 
 def op_name(node) -> str:

@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from . import indexing as ix
+from .runtime import allocator, reuse_buffers
 
 
 class Unbound(Exception):
@@ -50,8 +51,14 @@ def _find(graph: fx.Graph, sym):
 
 def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None = None) -> fx.GraphModule:
     """A new GraphModule in which each region (or recognised attention: anything with nodes, inputs
-    and outputs) is one `self.<kernel name>(*inputs, *sizes)` call; prints as Python.  `sizes` maps
-    a region to the nodes giving its kernel's size arguments (see `bind_sizes`)."""
+    and outputs) is one call of its kernel; prints as Python.  `sizes` maps a region to the nodes
+    giving its kernel's size arguments (see `bind_sizes`).
+
+    The GraphModule's forward is the graph's one wrapper: a kernel over static sizes is called with
+    output buffers allocated in the program itself (`buf3 = empty_strided_cuda(...)`), a buffer that
+    nothing reads any more is handed to the next kernel that needs one of its size, and only the
+    inputs a kernel did not get from another kernel of the graph are checked against the layout it
+    was made for.  Kernels stay attributes of the GraphModule (named as in the program)."""
     sizes = sizes or {}
     owner = {n: r for r in regions for n in r.nodes}
     by_region = dict(zip(regions, kernels))
@@ -77,20 +84,36 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None
         return order[u.nodes[0]] if u in by_region else order[u]
 
     graph, env = fx.Graph(), {}
-    for r, k in zip(regions, kernels):
-        gm.add_submodule(k.name, k)
+    allocations, ours, allocators = set(), set(), {}
     for u in nx.lexicographical_topological_sort(units, key=key):
-        if u in by_region:
-            k = by_region[u]
-            call = graph.call_module(k.name, tuple(env[a] for a in [*u.inputs, *sizes.get(u, ())]))
-            for i, o in enumerate(u.outputs):
-                env[o] = graph.call_function(operator.getitem, (call, i))
-                env[o].meta = dict(o.meta)
+        if u not in by_region:
+            if any(a not in env for a in u.all_input_nodes):
+                continue  # a view used only inside regions: it became index math
+            env[u] = graph.node_copy(u, lambda a: env[a])
             continue
-        if any(a not in env for a in u.all_input_nodes):
-            continue  # a view used only inside regions: it became index math
-        env[u] = graph.node_copy(u, lambda a: env[a])
+        k = by_region[u]
+        args = [env[a] for a in [*u.inputs, *sizes.get(u, ())]]
+        buffers = k.buffers()
+        if buffers is None:  # the kernel allocates its outputs (sizes known only at run time)
+            call = graph.call_function(k.entry(), tuple(args))
+            outs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(u.outputs))]
+        else:
+            k.checked = tuple(i for i, a in enumerate(args) if a not in ours)
+            bufs = []
+            for shape, stride, dtype, device in buffers:
+                alloc = allocators.get(device) or allocators.setdefault(device, allocator(device))
+                bufs.append(graph.create_node("call_function", alloc, (shape, stride, dtype), name=f"buf{len(allocations)}"))
+                allocations.add(bufs[-1])
+            call = graph.call_function(k.entry(), (*args, *bufs))
+            outs = [call] if len(bufs) == 1 else [graph.call_function(operator.getitem, (call, i)) for i in range(len(bufs))]
+            ours.update(outs)
+        for o, new in zip(u.outputs, outs):
+            env[o] = new
+            new.meta = dict(o.meta)
+    graph.eliminate_dead_code()
+    reuse_buffers(graph, allocations)
     new = fx.GraphModule(gm, graph)
-    new.graph.eliminate_dead_code()
+    for k in kernels:
+        new.add_submodule(k.name, k)
     new.recompile()
     return new

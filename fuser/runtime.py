@@ -23,15 +23,23 @@ runtime never imports codegen or patterns.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
+import logging
+import operator
 import os
 import threading
 import warnings
+import weakref
 
 import numpy as np
 import sympy
 import torch
+from torch._dynamo.backends.cudagraphs import find_input_mutations, get_device_node_mapping
+from torch._inductor import cudagraph_trees
+from torch._inductor.cudagraph_utils import check_multiple_devices_or_any_cpu_nodes, get_placeholder_info
+from torch._inductor.utils import count_tangents, get_first_incompatible_cudagraph_node, num_fw_fixed_arguments
 from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
@@ -42,6 +50,7 @@ from .graph import meta
 from .plan import TensorSig, block_plan
 from .region import Region, persistent_at
 
+log = logging.getLogger("fuser")
 _loaded: dict[tuple, object] = {}
 _lock = threading.Lock()
 
@@ -216,6 +225,8 @@ class RegionKernel(torch.nn.Module):
         r_symbols = ix.size_symbols(region.space.r)  # a row length that is one symbol can be made constant
         self._row_symbol = region.space.r if len(r_symbols) == 1 and next(iter(r_symbols)) == region.space.r else None
         self.seen: tuple = ()  # the size arguments of the latest call (the report's values)
+        self.checked = tuple(range(len(self.in_sigs)))  # inputs `into` compares (the rewrite narrows it)
+        self.moved = {i for i, n in enumerate(region.inputs) if meta(n).device != self.device}  # 0-d CPU scalars
         self._plans: dict = {}  # (rows, r) -> launch config, for kernels over symbolic sizes
         self._rows_constant: set = set()  # row lengths with a variant of their own (_constant_row)
         self.variants: dict = {}
@@ -326,6 +337,8 @@ class RegionKernel(torch.nn.Module):
 
     # ------------------------------------------------------------------ launch
     def forward(self, *args):
+        """The general entry (kernels over symbolic sizes, and any direct call): checks every input,
+        allocates the outputs, launches; returns the outputs."""
         inputs = args[:len(self.in_sigs)]
         device = next((t.device for t in inputs if t.dim() > 0), self.device)
         if device.type != self.device_type:
@@ -346,6 +359,29 @@ class RegionKernel(torch.nn.Module):
             if self.empty:
                 return tuple(outs)
             plan, sizes = self._plan, []
+        self._launch(variant, plan, inputs, outs, sizes, device)
+        return tuple(outs)
+
+    def into(self, *args):
+        """The per-graph wrapper's entry for a kernel over static sizes: the inputs, then output
+        buffers the wrapper allocated with the captured layout.  Only the inputs in `checked` (those
+        the wrapper did not allocate itself) are compared with the captured layout; one that differs
+        gets its own variant (other strides) or an error (other shapes or dtypes), as in forward."""
+        n = len(self.in_sigs)
+        inputs, outs = args[:n], args[n:]
+        variant = self._captured[0]
+        for i in self.checked:
+            t, s = inputs[i], self.in_sigs[i]
+            if t.shape != s.shape or t.stride() != s.stride or t.dtype != s.dtype:
+                variant = self._static(self._check(inputs))[0]
+                break
+        if self.moved:
+            inputs = [t.to(self.device) if i in self.moved else t for i, t in enumerate(inputs)]
+        if not self.empty:
+            self._launch(variant, self._plan, inputs, outs, (), self.device)
+        return outs[0] if len(outs) == 1 else outs
+
+    def _launch(self, variant: _Variant, plan, inputs, outs, sizes, device):
         launcher = variant.launcher(plan, device.type, self.reduction)
         src = variant.src
         if src.checks:  # interpreted kernels flag what eager raises on (see KernelWriter._check)
@@ -359,14 +395,39 @@ class RegionKernel(torch.nn.Module):
                 launcher(plan.programs, *inputs, *outs, *sizes)
         else:
             launcher(plan.programs, *inputs, *outs, *sizes)
-        return tuple(outs)
 
     def __call__(self, *inputs):  # straight to forward: no hook machinery on the launch path
         return self.forward(*inputs)
 
+    def buffers(self):
+        """(shape, stride, dtype, device) of each output, for the wrapper to allocate; None when the
+        sizes are symbolic (the kernel allocates them per call)."""
+        if self.symbols:
+            return None
+        return [(s.shape, s.stride, s.dtype, self.device) for s in self._captured[1]]
+
+    def entry(self):
+        """What the rewritten graph calls, named for the kernel in its printed code: `into` for
+        static sizes (the wrapper allocates the outputs), `forward` for symbolic ones."""
+        if self.symbols:
+            return named(self.name, self.forward)
+        return named(self.name, self.into, returns_args=slice(len(self.in_sigs), None))
+
     def extra_repr(self) -> str:
         sizes = f", sizes {', '.join(map(str, self.symbols))}" if self.symbols else ""
         return f"{self.name}: {self.region.kind}, {len(self.region.nodes)} ops{sizes}"
+
+
+def named(name: str, fn, returns_args: slice = slice(0, 0)):
+    """`fn` as the rewritten graph calls it: a plain function (no module machinery on the launch
+    path) named for the kernel, so that the printed program reads `kernels_fused_3(...)`.
+    `returns_args`: the arguments it returns (output buffers it was given); the rest is new memory."""
+    def call(*args):
+        return fn(*args)
+    call.__name__ = call.__qualname__ = name
+    call.__module__ = "kernels"
+    call.returns_args = returns_args
+    return call
 
 
 def _max_offset(shape, stride) -> int:
@@ -400,7 +461,7 @@ class AttentionKernel(torch.nn.Module):
 
     def __init__(self, name: str, source: str, prepare, in_shapes, in_dtypes, out_dtype, describe: str):
         super().__init__()
-        self.name, self.source, self.prepare = name, source, prepare
+        self.name, self.source, self.prepare, self.kernel = name, source, prepare, None
         self.in_shapes, self.in_dtypes, self.out_dtype, self.describe = in_shapes, in_dtypes, out_dtype, describe
 
     def forward(self, q, k, v, *extras):
@@ -409,8 +470,20 @@ class AttentionKernel(torch.nn.Module):
                     w.is_Integer and g != int(w) for g, w in zip(t.shape, want)):
                 raise RuntimeError(f"{self.name}: input {i} is {tuple(t.shape)} {t.dtype}, made for "
                                    f"{want} {dt}; recapture for new shapes")
-        out, _ = run_attention(self.source, self.prepare, q, k, v, extras)
+        kernel = self.kernel
+        if kernel is None:  # loaded once, at the first call (the device is known then)
+            kernel = self.kernel = load(self.source, "attention_fwd", q.device.type)
+        out, _ = _launch_attention(kernel, self.prepare, q, k, v, extras)
         return (out if out.dtype == self.out_dtype else out.to(self.out_dtype),)
+
+    def __call__(self, *inputs):  # straight to forward: no hook machinery on the launch path
+        return self.forward(*inputs)
+
+    def buffers(self):
+        return None  # allocated by `prepare`, per call
+
+    def entry(self):
+        return named(self.name, self.forward)
 
     def extra_repr(self) -> str:
         return f"{self.name}: attention, {self.describe}"
@@ -419,10 +492,187 @@ class AttentionKernel(torch.nn.Module):
 def run_attention(source: str, prepare, q, k, v, extras=(), **kwargs):
     """Load the attention kernel `attention_fwd` in `source` and launch it as `prepare` says;
     returns (out, lse)."""
-    kernel = load(source, "attention_fwd", q.device.type)
+    return _launch_attention(load(source, "attention_fwd", q.device.type), prepare, q, k, v, extras, **kwargs)
+
+
+def _launch_attention(kernel, prepare, q, k, v, extras, **kwargs):
     out, lse, grid, args, meta_args = prepare(q, k, v, extras, **kwargs)
     if q.is_cuda:
         kernel[grid](*args, **meta_args)
     else:
         run_interpreted(kernel, grid, *args, **meta_args)
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------- the wrapper
+def allocator(device: torch.device):
+    """empty_strided for one device through the bindings Inductor's generated code calls (a
+    microsecond less per buffer than torch.empty_strided)."""
+    if device.type == "cuda":
+        raw, index = torch._C._dynamo.guards._empty_strided_cuda, device.index
+
+        def empty_strided_cuda(size, stride, dtype):
+            if _current_device() == index:
+                return raw(size, stride, dtype)
+            return torch.empty_strided(size, stride, dtype=dtype, device=device)
+        empty_strided_cuda.__module__ = "kernels"
+        return empty_strided_cuda
+    if device.type == "cpu":
+        def empty_strided_cpu(size, stride, dtype, raw=torch._C._dynamo.guards._empty_strided_cpu):
+            return raw(size, stride, dtype)
+        empty_strided_cpu.__module__ = "kernels"
+        return empty_strided_cpu
+    return named(f"empty_strided_{device.type}", functools.partial(_empty_strided, device=device))
+
+
+def _empty_strided(size, stride, dtype, device):
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def reuse_buffers(graph, allocations: set) -> int:
+    """Lets a buffer allocation (a node in `allocations`, args (size, stride, dtype)) take over an
+    earlier buffer of the same size, stride and dtype that nothing reads any more: no later node
+    uses it or a view of it, and it is not (a view of) a graph output.  Views are read from the ops'
+    schemas (a return with alias info); a call whose aliasing is unknown is taken to alias all its
+    arguments.  Returns the number of allocations saved."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    group = {}  # node -> the buffer allocations whose memory it may share
+
+    def members(n):
+        return group.get(n, frozenset()) if isinstance(n, torch.fx.Node) else frozenset()
+
+    for n in nodes:
+        if n in allocations:
+            group[n] = frozenset([n])
+        elif n.op == "call_function":
+            group[n] = _aliased(n, members)
+    last, forever = {}, set()
+    for n in nodes:
+        for a in n.all_input_nodes:
+            for b in group.get(a, ()):
+                if n.op == "output":
+                    forever.add(b)
+                last[b] = max(last.get(b, -1), pos[n])
+    free: dict = {}  # (size, stride, dtype) -> [(buffer, free after position)]
+    saved = 0
+    for n in nodes:
+        if n not in allocations:
+            continue
+        key = tuple(n.args)
+        pool = free.setdefault(key, [])
+        taken = next((i for i, (b, end) in enumerate(pool) if end < pos[n]), None)
+        if taken is not None:
+            buffer, _ = pool.pop(taken)
+            n.replace_all_uses_with(buffer)
+            last[buffer] = last.get(n, pos[n])
+            forever.discard(buffer)
+            if n in forever:
+                forever.add(buffer)
+            graph.erase_node(n)
+            saved += 1
+            n = buffer
+        if n not in forever:
+            pool.append((n, last.get(n, pos[n])))
+    return saved
+
+
+def _aliased(n, members) -> frozenset:
+    """The buffers a call's result may share memory with."""
+    target = n.target
+    schema = getattr(target, "_schema", None)
+    if target is operator.getitem:
+        args = n.args[:1]
+    elif hasattr(target, "returns_args"):  # our kernels (named)
+        args = n.args[target.returns_args]
+    elif schema is not None:
+        if not any(r.alias_info is not None for r in schema.returns):
+            return frozenset()  # a new tensor
+        args = [a for r, a in zip(schema.arguments, n.args) if r.alias_info is not None]
+    else:
+        args = n.all_input_nodes
+    out = frozenset()
+    for a in args:
+        out |= members(a) if isinstance(a, torch.fx.Node) else frozenset()
+    return out
+
+
+# ---------------------------------------------------------------------------------------- CUDA graphs
+CUDA_GRAPH_SIZES = 8  # distinct size keys a graph records CUDA graphs for; calls at sizes past these run plainly
+
+
+def static_inputs(gm, n_dynamo_inputs: int, n_inputs: int, backward: bool) -> list:
+    """Inputs whose address is fixed from call to call (parameters, buffers; in a backward, what the
+    forward saved): CUDA-graph replay reads them in place instead of copying them in.  As Inductor's
+    get_static_input_idxs (inlined: importing compile_fx for five lines costs seconds)."""
+    if backward:
+        return list(range(count_tangents(gm)))
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and context.fw_metadata is not None:
+        return list(context.fw_metadata.static_input_indices)
+    return list(range(num_fw_fixed_arguments(n_dynamo_inputs, n_inputs)))
+
+
+def cuda_graph_refusal(gm, static: list) -> str | None:
+    """Why the graph `gm` (as given, before our rewrite) cannot be replayed as a CUDA graph, or None:
+    CPU tensors or several devices, an input other than a parameter mutated in place, an op whose
+    result decides sizes (data-dependent) or that CUDA graphs cannot hold (torch's own checks)."""
+    devices = get_device_node_mapping(gm)
+    if not devices or all(d.type == "cpu" for d in devices):
+        return "the graph runs on CPU, where CUDA graphs do not apply (the option has no effect)"
+    if reason := check_multiple_devices_or_any_cpu_nodes(devices):
+        return reason
+    if find_input_mutations(gm.graph) - set(static):
+        return "an input other than a parameter or buffer is mutated in place"
+    if node := get_first_incompatible_cudagraph_node(gm):
+        return f"{node.name} ({node.target}) cannot be held in a CUDA graph"
+    return None
+
+
+class CudaGraphs:
+    """Replays a compiled graph (boxed: called with a list of inputs) as CUDA graphs through torch's
+    cudagraph trees (torch._inductor.cudagraph_trees, as `mode="reduce-overhead"` does for Inductor):
+    the first call at a size runs it plainly (warm-up: Triton compiles our kernels), the next records
+    it, later ones replay it.  Trees copy inputs whose address changes into the graph's own buffers,
+    keep parameters and buffers in place (re-recording if one moves), and share one memory pool
+    between forward and backward.  One CUDA graph per distinct set of int inputs (sizes), up to
+    CUDA_GRAPH_SIZES of them; calls at other sizes run plainly, and the report says so.
+
+    Outputs live in the pool and the next replay writes over them (trees then refuse access to an
+    output still held).  An inference graph returns aliases of its outputs, and before each call
+    gives any alias the caller still holds (a list of results, a KV cache) a copy of its values:
+    nothing is copied unless an output is kept.  In training, trees' rules hold: an output of a
+    forward (the loss) is valid until the next step's forward, and reading it later raises trees'
+    error, as with Inductor's reduce-overhead."""
+
+    def __init__(self, fn, gm, example_inputs, static: list, *, backward: bool, inference: bool, note):
+        self.fn, self.note, self.inference = fn, note, inference
+        device = next(iter(get_device_node_mapping(gm))).index
+        self.graphed = cudagraph_trees.cudagraphify_impl(
+            fn, list(example_inputs), static, device_index=device, is_backward=backward, is_inference=inference,
+            stack_traces=[None] * len(gm.graph.output_node().args[0]),
+            placeholders=get_placeholder_info(gm.graph), mutated_input_idxs=find_input_mutations(gm.graph))
+        self.ints = [i for i, v in enumerate(example_inputs) if isinstance(v, int)]
+        self.keys: set = set()
+        self.returned: list = []  # weak references to the aliases the previous call returned
+        self._boxed_call = True
+
+    def __call__(self, args: list):
+        for ref in self.returned:
+            held = ref()
+            if held is not None:  # the caller kept it: its values move out of the pool before the replay
+                held.data = held.clone(memory_format=torch.preserve_format)
+        self.returned = []
+        key = tuple(args[i] for i in self.ints)
+        if key not in self.keys:
+            if len(self.keys) >= CUDA_GRAPH_SIZES:
+                self.note(f"cuda_graphs: more than {CUDA_GRAPH_SIZES} sizes seen; calls at other sizes run "
+                          "without CUDA graphs")
+                return self.fn(args)
+            self.keys.add(key)
+        out = self.graphed(args)
+        if not self.inference:
+            return out
+        out = [t.detach() if isinstance(t, torch.Tensor) else t for t in out]
+        self.returned = [weakref.ref(t) for t in out if isinstance(t, torch.Tensor)]
+        return out

@@ -36,7 +36,7 @@ def test_fuse_function_and_report(device):
     assert "aten.gelu.default" in r.ops and "@triton.jit" in r.source and "HBM" in r.source
     assert "pointwise" in str(rep) and "k =" in str(rep)
     assert json.loads(rep.to_json())["regions"][0]["kernel"] == r.kernel
-    assert "self.fused_0(" in fused.code
+    assert "kernels_fused_0(" in fused.code
 
 
 def test_example_inputs_capture_now_and_non_contiguous_inputs(device):
@@ -135,10 +135,10 @@ def test_kernel_failure_at_run_time_falls_back(monkeypatch, caplog, device):
     runs instead, now and on later calls; the report says why."""
     import fuser.runtime as launch
 
-    def broken(self, *inputs):
+    def broken(self, *args):
         raise TypeError("synthetic kernel failure")
 
-    monkeypatch.setattr(launch.RegionKernel, "forward", broken)
+    monkeypatch.setattr(launch.RegionKernel, "_launch", broken)
     fused = fuser.fuse(chain)
     a, b = torch.randn(7, 9, device=device), torch.randn(9, device=device)
     with caplog.at_level("WARNING", logger="fuser"):
@@ -211,7 +211,7 @@ def test_repeated_calls_and_misaligned_inputs(device):
 
 
 def test_options(device):
-    with pytest.raises(ValueError, match="unknown option.*'tile'.*known: \\['attention'\\]"):
+    with pytest.raises(ValueError, match="unknown option.*'tile'.*known: \\['attention', 'cuda_graphs'\\]"):
         fuser.fuse(chain, tile=3)
     with pytest.raises(ValueError, match="attention='no' is not allowed; allowed values: True, False"):
         fuser.fuse(chain, attention="no")

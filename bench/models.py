@@ -1,0 +1,416 @@
+"""Whole models, eager vs Inductor vs fuser: step time, host/kernel split, memory, compile time, error.
+
+Six HF transformers models with random weights (torch.manual_seed(0)), bf16, eval, no_grad, on cuda:
+gpt2 (4 layers, B4 T512), llama-gqa (d2048, 16 heads / 4 KV heads, 4 layers, B4 T512), bert-padded
+(4 layers, B8 T256, last 64 positions masked out on every other row), vit (4 layers, 224 px, patch 16,
+B32), t5-encoder (relative-position bias, 4 layers, B8 T256) and llama-decode (llama-gqa, B1, one new
+token over a StaticCache holding 1024 prefilled tokens; every call writes the same slot).
+
+Systems, each a fresh compile after torch._dynamo.reset(): eager (eager attention), eager+sdpa,
+inductor, inductor-ro (mode="reduce-overhead"), fuser (backend="fuser"), fuser-cg (backend="fuser",
+mode="reduce-overhead") and fuser-eager-attn (backend="fuser" on the eager-attention model). Per cell:
+compile_s (first call, synchronised), ms (do_bench median after 3 warm-up calls), err
+(||a-b||/||b|| of the logits / last_hidden_state against eager+sdpa; ok below 2e-2), peak_mib (peak
+allocated during one call over what was allocated before it), and over 5 profiled steps wall_ms,
+kernel_ms (GPU time of kernels) and kernels per step.
+
+    python bench/models.py [--only gpt2,vit] [--systems fuser,inductor] [--budget 540] [--out DIR]
+    python bench/models.py --smoke --out /tmp/smoke   # CPU, tiny configs, 4 systems, perf_counter timing
+
+Writes <gpu>-<date>-models.{json,md} after every cell, so a run cut short keeps what it measured.
+"""
+import argparse
+import contextlib
+import datetime
+import gc
+import inspect
+import json
+import math
+import re
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fuser.backend import all_reports, fuser_backend  # noqa: E402
+
+# installed, fuser registers its backend through an entry point; from a bare checkout, register it here
+if "fuser" not in torch._dynamo.list_backends():
+    torch._dynamo.register_backend(name="fuser")(fuser_backend)
+
+BF16 = torch.bfloat16
+TOL = 2e-2
+SYSTEMS = ["eager", "eager+sdpa", "inductor", "inductor-ro", "fuser", "fuser-cg", "fuser-eager-attn"]
+SMOKE_SYSTEMS = ["eager", "eager+sdpa", "fuser", "fuser-eager-attn"]
+MODELS = ["gpt2", "llama-gqa", "bert-padded", "vit", "t5-encoder", "llama-decode"]
+
+
+# ---------------------------------------------------------------- models
+
+def _dims(smoke):
+    """Full sizes, or the tiny ones of --smoke."""
+    if smoke:
+        return dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=16, batch=2,
+                    image=32, patch=8, cache=40, prefill=32)
+    return dict(layers=4, hidden=768, heads=12, llama_hidden=2048, llama_heads=16, kv_heads=4,
+                llama_ffn=5632, ffn=3072, llama_vocab=32000, gpt2_vocab=50257, vocab=32128, seq=512,
+                batch=4, bert_batch=8, bert_seq=256, image=224, patch=16, vit_batch=32,
+                t5_hidden=512, t5_ffn=2048, t5_heads=8, t5_batch=8, t5_seq=256, cache=1040, prefill=1024)
+
+
+def _config(name, d):
+    """(model class, config class, config kwargs) of one model."""
+    import transformers as tf
+    g = lambda key, default: d.get(key, d[default])  # noqa: E731  a full-size key, or the shared tiny one
+    if name == "gpt2":
+        v = g("gpt2_vocab", "vocab")
+        return tf.GPT2LMHeadModel, tf.GPT2Config, dict(
+            n_layer=d["layers"], n_embd=d["hidden"], n_head=d["heads"], vocab_size=v, n_positions=1024,
+            bos_token_id=v - 1, eos_token_id=v - 1, use_cache=False)
+    if name in ("llama-gqa", "llama-decode"):
+        return tf.LlamaForCausalLM, tf.LlamaConfig, dict(
+            hidden_size=g("llama_hidden", "hidden"), num_attention_heads=g("llama_heads", "heads"),
+            num_key_value_heads=d["kv_heads"], intermediate_size=g("llama_ffn", "ffn"),
+            num_hidden_layers=d["layers"], vocab_size=g("llama_vocab", "vocab"), max_position_embeddings=2048)
+    if name == "bert-padded":
+        return tf.BertModel, tf.BertConfig, dict(
+            hidden_size=d["hidden"], num_attention_heads=d["heads"], num_hidden_layers=d["layers"],
+            intermediate_size=d["ffn"], vocab_size=d["vocab"])
+    if name == "vit":
+        return tf.ViTModel, tf.ViTConfig, dict(
+            hidden_size=d["hidden"], num_attention_heads=d["heads"], num_hidden_layers=d["layers"],
+            intermediate_size=d["ffn"], image_size=d["image"], patch_size=d["patch"])
+    if name == "t5-encoder":
+        return tf.T5EncoderModel, tf.T5Config, dict(
+            d_model=g("t5_hidden", "hidden"), d_ff=g("t5_ffn", "ffn"), num_heads=g("t5_heads", "heads"),
+            d_kv=g("t5_hidden", "hidden") // g("t5_heads", "heads"), num_layers=d["layers"], vocab_size=d["vocab"],
+            use_cache=False)
+    raise ValueError(name)
+
+
+def _build(name, d, attn, device, weights=None):
+    """The model with attention `attn` ("sdpa" or "eager"), bf16, eval; weights copied from `weights`.
+    A model that does not support sdpa (T5 in transformers 4.x) is built with eager attention."""
+    model_cls, config_cls, kwargs = _config(name, d)
+    torch.manual_seed(0)
+    extra = {"add_pooling_layer": False} if name in ("bert-padded", "vit") else {}
+    with torch.device(device):
+        try:
+            model = model_cls(config_cls(**kwargs, attn_implementation=attn), **extra)
+        except ValueError:  # "does not support an attention implementation through ..."
+            model = model_cls(config_cls(**kwargs, attn_implementation="eager"), **extra)
+    model = model.to(BF16).eval().requires_grad_(False)
+    if weights is not None:
+        model.load_state_dict(weights.state_dict())
+    return model
+
+
+def _inputs(name, d, model, device):
+    """Keyword arguments of one forward call, and the name of the output compared."""
+    torch.manual_seed(0)
+    vocab = getattr(model.config, "vocab_size", None)
+    if name in ("gpt2", "llama-gqa"):
+        return {"input_ids": torch.randint(0, vocab, (d["batch"], d["seq"]), device=device), "use_cache": False}, "logits"
+    if name == "bert-padded":
+        b, t = d.get("bert_batch", d["batch"]), d.get("bert_seq", d["seq"])
+        mask = torch.ones(b, t, dtype=torch.long, device=device)
+        mask[1::2, -(t // 4):] = 0  # every other row: its last quarter (64 of 256 tokens) is padding
+        return {"input_ids": torch.randint(0, vocab, (b, t), device=device), "attention_mask": mask}, "last_hidden_state"
+    if name == "vit":
+        b, px = d.get("vit_batch", d["batch"]), d["image"]
+        return {"pixel_values": torch.randn(b, 3, px, px, device=device, dtype=BF16)}, "last_hidden_state"
+    if name == "t5-encoder":
+        b, t = d.get("t5_batch", d["batch"]), d.get("t5_seq", d["seq"])
+        return {"input_ids": torch.randint(0, vocab, (b, t), device=device)}, "last_hidden_state"
+    raise ValueError(name)
+
+
+def _static_cache(model, max_len, device):
+    """A StaticCache for batch 1: transformers >= 4.56 (and 5.x) take (config, max_cache_len) and allocate
+    lazily; older 4.x take max_batch_size (or batch_size), device and dtype."""
+    from transformers import StaticCache
+    params = inspect.signature(StaticCache.__init__).parameters
+    kwargs = {"config": model.config, "max_cache_len": max_len}
+    for batch_kw in ("max_batch_size", "batch_size"):
+        if batch_kw in params:
+            kwargs.update({batch_kw: 1, "device": device, "dtype": BF16})
+            break
+    return StaticCache(**kwargs)
+
+
+class DecodeStep:
+    """One decode step over a prefilled StaticCache, the same every call: token `prefill` written to
+    slot `prefill`. transformers 5.x place new keys at each layer's `cumulative_length` (a tensor the
+    update advances), so every call first sets those back to `prefill`, one foreach copy outside the
+    compiled model; 4.x place them at `cache_position`, which is passed."""
+
+    def __init__(self, model, d, device):
+        self.cache = _static_cache(model, d["cache"], device)
+        self.pass_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+        n = d["prefill"]
+        torch.manual_seed(0)
+        prompt = torch.randint(0, model.config.vocab_size, (1, n), device=device)
+        self.prefill_kwargs = self._kwargs(prompt, torch.arange(n, device=device))
+        model(**self.prefill_kwargs)  # eager, once: fills slots 0..n-1 (and allocates a lazy cache)
+        self.kwargs = self._kwargs(prompt[:, -1:], torch.tensor([n], device=device))
+        layers = getattr(self.cache, "layers", [])
+        self.lengths = [layer.cumulative_length for layer in layers
+                        if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+        self.filled = [torch.full_like(t, n) for t in self.lengths]
+
+    def _kwargs(self, ids, positions):
+        kwargs = {"input_ids": ids, "position_ids": positions[None], "past_key_values": self.cache, "use_cache": True}
+        if self.pass_cache_position:
+            kwargs["cache_position"] = positions
+        return kwargs
+
+    def rewind(self):
+        if self.lengths:
+            torch._foreach_copy_(self.lengths, self.filled)
+
+
+def _prepare(name, d, device, systems):
+    """({system: a maker of the step, a callable returning the compared output}, the reference output
+    (eager+sdpa), {system: the attention implementation its model really uses})."""
+    sdpa = _build(name, d, "sdpa", device)
+    need_eager = any(s in ("eager", "fuser-eager-attn") for s in systems)
+    eager = _build(name, d, "eager", device, weights=sdpa) if need_eager else None
+    if name == "llama-decode":
+        step = DecodeStep(sdpa, d, device)
+        kwargs, out_name, pre = step.kwargs, "logits", step.rewind
+    else:
+        kwargs, out_name = _inputs(name, d, sdpa, device)
+        pre = None
+
+    def caller(fn):
+        def call():
+            if pre is not None:
+                pre()
+            return getattr(fn(**kwargs), out_name)
+        return call
+
+    makers = {
+        "eager": lambda: eager,
+        "eager+sdpa": lambda: sdpa,
+        "inductor": lambda: torch.compile(sdpa),
+        "inductor-ro": lambda: torch.compile(sdpa, mode="reduce-overhead"),
+        "fuser": lambda: torch.compile(sdpa, backend="fuser"),
+        "fuser-cg": lambda: torch.compile(sdpa, backend="fuser", mode="reduce-overhead"),
+        "fuser-eager-attn": lambda: torch.compile(eager, backend="fuser"),
+    }
+    ref = caller(sdpa)().detach().clone()
+    makes = {s: (lambda s=s: caller(makers[s]())) for s in systems}
+    attn = {s: (eager if s in ("eager", "fuser-eager-attn") else sdpa).config._attn_implementation for s in systems}
+    return makes, ref, attn
+
+
+# ---------------------------------------------------------------- measuring one cell
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """Raise TimeoutError after `seconds`, so one stuck compile cannot eat the whole run."""
+    def expire(signum, frame):
+        raise TimeoutError(f"over the {seconds} s limit per cell")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _kernel_events(prof):
+    """Device-side kernel events (memcpy / memset activities left out)."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))]
+
+
+def profile(fn, device, steps=5):
+    """Host wall ms, kernel GPU ms and kernel count per step, over `steps` profiled steps."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    _sync(device)
+    with torch.profiler.profile(activities=acts) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        _sync(device)
+        wall = time.perf_counter() - start
+    kernels = _kernel_events(prof)
+    us = sum(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) for e in kernels)
+    return {"wall_ms": wall * 1e3 / steps, "kernel_ms": us / 1e3 / steps, "kernels": len(kernels) / steps}
+
+
+def measure(cell, make, ref, device, smoke):
+    """Fill `cell` in place: compile_s, err, ok, peak_mib, ms, then the profiler's numbers."""
+    fn = make()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    cell["compile_s"] = time.perf_counter() - start
+    for _ in range(3):  # warm-up; reduce-overhead records its CUDA graphs here
+        fn()
+    out = fn().detach().clone()  # cloned at once: a CUDA graph's next replay overwrites its output
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    cell.update(err=err, ok=bool(err < TOL))
+    del out
+    if smoke:  # CPU: no do_bench, no profiler, no memory counters
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        cell["ms"] = statistics.median(times)
+        return
+    from triton.testing import do_bench
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    cell["peak_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+    cell["ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    cell.update(profile(fn, device))
+
+
+def run_model(name, args, device, emit):
+    d = _dims(args.smoke)
+    try:
+        with torch.no_grad():
+            fns, ref, attn = _prepare(name, d, device, args.systems)
+    except Exception as e:  # noqa: BLE001 - a model that cannot be built leaves the others measured
+        emit({"model": name, "system": "build", "error": _first_line(e)})
+        return
+    for system in args.systems:
+        torch._dynamo.reset()
+        cell = {"model": name, "system": system, "attn": attn[system]}
+        seen = len(all_reports())
+        try:
+            with torch.no_grad(), time_limit(args.limit):
+                measure(cell, fns[system], ref, device, args.smoke)
+        except Exception as e:  # noqa: BLE001 - one failure must not lose the rest of the table
+            cell["error"] = _first_line(e)
+        if system.startswith("fuser"):  # graphs fuser compiled (>1: graph breaks), and any it left to eager ATen
+            reports = all_reports()[seen:]
+            cell["graphs"] = len(reports)
+            cell["fallbacks"] = [f[:200] for r in reports for f in r.all_fallbacks]
+        emit(cell)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def _first_line(e):
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+# ---------------------------------------------------------------- output
+
+def _fmt(x, spec):
+    return "—" if x is None else format(x, spec)
+
+
+def markdown(meta, cells):
+    by = {(c["model"], c["system"]): c for c in cells}
+    ms = lambda m, s: by.get((m, s), {}).get("ms")  # noqa: E731
+    lines = [f"# whole models: {meta['device']}, {meta['date']}", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}"
+             f"{'; SMOKE (CPU, tiny configs; ms = median of 3 calls)' if meta['smoke'] else ''}.", "",
+             "ms = do_bench median of one step; vs inductor = inductor ms / ms (inductor-ro for reduce-overhead "
+             "systems), vs eager = eager ms / ms (>1: faster); wall/kernel = host wall ms / GPU kernel ms per step "
+             "over 5 profiled steps; kernels per step; peak MiB = peak allocated in one call over what was "
+             "allocated before it; compile s = first call; err = ||a-b||/||b|| vs eager+sdpa (ok < 2e-2). "
+             "llama-decode's step includes resetting the StaticCache's lengths (one foreach copy, transformers 5.x).",
+             "",
+             "| model | system | ms | vs inductor | vs eager | wall/kernel | kernels | peak MiB | compile s | err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        m, s = c["model"], c["system"]
+        shown = s if c.get("attn") in (None, "eager" if s in ("eager", "fuser-eager-attn") else "sdpa") \
+            else f"{s} (attn: {c['attn']})"  # a model without sdpa support runs eager attention
+        if "ms" not in c and "error" in c:
+            lines.append(f"| {m} | {shown} | ERROR: {c['error'][:120]} | | | | | | | |")
+            continue
+        base = ms(m, "inductor-ro" if s in ("inductor-ro", "fuser-cg") else "inductor")
+        speed = lambda b: f"{b / c['ms']:.2f}x" if b and c.get("ms") else "—"  # noqa: E731
+        ratio = f"{c['wall_ms'] / c['kernel_ms']:.2f}" if c.get("kernel_ms") else "—"
+        err = f"{c['err']:.1e} {'ok' if c['ok'] else 'BAD'}" if "err" in c else "—"
+        if "error" in c:
+            err += f" ERROR: {c['error'][:80]}"
+        lines.append(f"| {m} | {shown} | {_fmt(c.get('ms'), '.3f')} | {speed(base)} | {speed(ms(m, 'eager'))} | {ratio} "
+                     f"| {_fmt(c.get('kernels'), '.0f')} | {_fmt(c.get('peak_mib'), '.0f')} "
+                     f"| {_fmt(c.get('compile_s'), '.1f')} | {err} |")
+    notes = [f"- {c['model']} / {c['system']}: {c['graphs']} graphs" + "".join(f"; fallback: {f}" for f in c["fallbacks"])
+             for c in cells if c.get("graphs", 1) != 1 or c.get("fallbacks")]
+    lines += ["", *(["fuser graph breaks (graphs > 1) and graphs left to eager ATen:", *notes, ""] if notes else [])]
+    for ours, theirs in (("fuser", "inductor"), ("fuser-cg", "inductor-ro")):
+        pairs = [(ms(m, theirs), ms(m, ours)) for m in dict.fromkeys(c["model"] for c in cells)]
+        speedups = [t / o for t, o in pairs if t and o]
+        if speedups:
+            g = math.exp(sum(map(math.log, speedups)) / len(speedups))
+            lines.append(f"geomean speedup {ours} vs {theirs} ({theirs} ms / {ours} ms) over "
+                         f"{len(speedups)} models: {g:.3f}x  ")
+    return "\n".join(lines) + "\n"
+
+
+def _meta(device, smoke):
+    import transformers
+    import triton
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "slug": re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"),
+            "date": datetime.date.today().isoformat(), "smoke": smoke, "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", help=f"comma-separated models; default all: {','.join(MODELS)}")
+    p.add_argument("--systems", help=f"comma-separated systems; default all: {','.join(SYSTEMS)}")
+    p.add_argument("--budget", type=float, default=540, help="start no new model after this many seconds")
+    p.add_argument("--limit", type=int, default=240, help="seconds allowed to one cell (model x system)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny configs, 4 systems, no do_bench/profiler")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    models = args.only.split(",") if args.only else MODELS
+    args.systems = args.systems.split(",") if args.systems else (SMOKE_SYSTEMS if args.smoke else SYSTEMS)
+    for bad in set(models) - set(MODELS) | set(args.systems) - set(SYSTEMS):
+        p.error(f"unknown model or system {bad!r}")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    meta = _meta(device, args.smoke)
+    stem = args.out / f"{meta['slug']}-{meta['date']}-models"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    cells = []
+
+    def emit(cell):
+        cells.append(cell)
+        print(cell, flush=True)
+        stem.with_suffix(".json").write_text(json.dumps(cells, indent=1))
+        stem.with_suffix(".md").write_text(markdown(meta, cells))
+
+    for name in models:
+        if time.perf_counter() - start > args.budget:
+            emit({"model": name, "system": "-", "error": f"skipped: past the {args.budget:.0f} s budget"})
+            continue
+        print(f"=== {name} ({time.perf_counter() - start:.0f} s in)", flush=True)
+        run_model(name, args, device, emit)
+        gc.collect()  # the model, its compiled versions and their CUDA graph pools
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\nwrote {stem}.json and .md in {time.perf_counter() - start:.0f} s\n\n{markdown(meta, cells)}", flush=True)
+    return 0 if all(c.get("ok") and "error" not in c for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Layout ops whose backward used to stay eager (issue 10): index_select (and torch.roll, which
+decomposes to it with a computed index), indexing by one integer tensor (a relative-position-bias
+table), and slice_scatter (the backward of slicing and of padding removal), steps 1 and above.
+Forward and backward against eager, and asserted fused."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fuser
+from helpers import fused_ops
+from tolerances import assert_close_to_eager
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def _grads(fn, *shapes, device, dtype, seed=0):
+    """Gradients of sum(fn(x) * w) for fuser and for an fp64 reference, rounded to dtype (random w,
+    so every element counts; fp64 because in 16 bits eager's own roundings exceed the tolerance)."""
+    torch.manual_seed(seed)
+    xs = [torch.randn(s, device=device, dtype=dtype, requires_grad=True) for s in shapes]
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    out = fn(*x64)
+    w = torch.randn(out.shape, device=device, dtype=dtype)
+    want = [g.to(dtype) for g in torch.autograd.grad((out * w.double()).sum(), x64)]
+    got_out = torch.compile(fn, backend="fuser")(*xs)
+    got = torch.autograd.grad((got_out.float() * w).sum(), xs)
+    assert_close_to_eager(got_out, out.to(dtype))
+    return got, want
+
+
+def _backward_report():
+    return next(r for r in reversed(fuser.reports()) if any("backward" in n for n in r.notes))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_roll_forward_and_backward_fuse(dtype, device):
+    fn = lambda x: torch.roll(x * 2, shifts=(3, -2), dims=(1, 2)).sin()  # noqa: E731
+    got, want = _grads(fn, (3, 423, 213), device=device, dtype=dtype)
+    assert_close_to_eager(got, want)
+    assert {"index_select", "mul"} <= fused_ops(_backward_report())
+    assert not [u for r in fuser.reports()[-2:] for u in r.unfused if "index_select" in u.op]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_index_select_with_loaded_index_and_out_of_range(dtype, device):
+    torch.manual_seed(1)
+    x = torch.randn(37, 19, device=device, dtype=dtype)
+    idx = torch.randint(0, 19, (23,), device=device)
+    fn = lambda x, i: torch.index_select(torch.sigmoid(x), 1, i) + 1  # noqa: E731
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(x, idx), fn(x, idx))
+    assert "index_select" in fused_ops(fused.report)
+    if device == "cpu":  # on CUDA an out-of-range index is a device-side assert, fatal to the process
+        bad = idx.clone()
+        bad[5] = 19
+        with pytest.raises((RuntimeError, IndexError), match="out of"):
+            fn(x, bad)
+        with pytest.raises(RuntimeError, match="out of"):
+            fused(x, bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relative_position_bias_table_lookup(dtype, device):
+    """`table[index].view(...).permute(...)` added to scores, as Swin and T5-style code writes it;
+    negative indices count from the end, as in eager."""
+    torch.manual_seed(2)
+    win, heads = 7, 3
+    table = torch.randn((2 * win - 1) ** 2, heads, device=device, dtype=dtype)
+    coords = torch.stack(torch.meshgrid(torch.arange(win), torch.arange(win), indexing="ij")).flatten(1)
+    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (win - 1)
+    index = (rel[..., 0] * (2 * win - 1) + rel[..., 1]).to(device)
+    index[0, 0] = -1  # the last row of the table
+    scores = torch.randn(5, heads, win * win, win * win, device=device, dtype=dtype)
+
+    def fn(scores, table):
+        bias = table[index.view(-1)].view(win * win, win * win, -1).permute(2, 0, 1)
+        return torch.softmax(scores + bias.unsqueeze(0), dim=-1)
+
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(scores, table), fn(scores, table))
+    assert "index" in fused_ops(fused.report)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_slice_backward_is_a_fused_slice_scatter(step, dtype, device):
+    fn = lambda x: (x[:, 1::step, 2:-1] * 3).sin()  # noqa: E731
+    got, want = _grads(fn, (3, 41, 29), device=device, dtype=dtype)
+    assert_close_to_eager(got, want)
+    assert "slice_scatter" in fused_ops(_backward_report())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_partition_with_padding_and_shift(dtype, device):
+    """Swin's layout: pad to a multiple of the window, cyclic shift, window partition; forward and
+    backward against eager, no layout op left to eager."""
+    ws = 4
+
+    def fn(x):
+        b, h, w, c = x.shape
+        x = F.pad(x * 1.5, (0, 0, 0, (-w) % ws, 0, (-h) % ws))
+        x = torch.roll(x, shifts=(-2, -2), dims=(1, 2))
+        hp, wp = x.shape[1], x.shape[2]
+        windows = x.view(b, hp // ws, ws, wp // ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws * ws, c)
+        return F.gelu(windows)
+
+    before = len(fuser.reports())
+    got, want = _grads(fn, (2, 13, 10, 6), device=device, dtype=dtype)
+    assert_close_to_eager(got, want)
+    layout = ("index_select", "constant_pad_nd", "slice_scatter", "clone", "slice")
+    assert not [u.op for r in fuser.reports()[before:] for u in r.unfused if any(o in u.op for o in layout)]
+
+
+def test_hf_swin_training_step_leaves_no_layout_op_eager(device):
+    """A small Hugging Face Swin in training: gradients match eager; in the backward, what stays
+    eager is matmuls, lone column sums, copies and the relative-position table's scatter-add, each
+    with its reason; no slice_scatter, roll or pad."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+                                  window_size=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  drop_path_rate=0.0)
+    model = transformers.SwinModel(cfg).to(device).train()
+    x = torch.randn(2, 3, 32, 32, device=device)
+    fused = fuser.fuse(model)
+    fused(pixel_values=x).last_hidden_state.square().mean().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model(pixel_values=x).last_hidden_state.square().mean().backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert_close_to_eager(got[n], p.grad, scale=10, msg=n)
+    backward = [r for r in fused.reports if any("backward" in n for n in r.notes)]
+    assert backward and all(r.regions for r in backward)
+    eager = {u.op.split(".")[1] for r in backward for u in r.unfused}
+    assert not eager & {"slice_scatter", "index_select", "constant_pad_nd", "roll"}, eager
+    assert all(u.reason for r in backward for u in r.unfused)

@@ -1,0 +1,230 @@
+"""The runtime (issue 10): one generated wrapper per graph (outputs allocated in the program, buffers
+reused, only foreign inputs checked), and CUDA-graph replay (`mode="reduce-overhead"`,
+`options={"cuda_graphs": True}`, `fuse(cuda_graphs=True)`): accepted everywhere, effective on the GPU."""
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fuser
+from fuser import runtime
+from fuser.runtime import RegionKernel, reuse_buffers
+from tolerances import assert_close_to_eager
+
+aten = torch.ops.aten
+
+
+class Blocks(nn.Module):
+    """Matmul -> LayerNorm + GELU, three times: a fused region between eager matmuls."""
+
+    def __init__(self, d=24, n=3):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(n))
+
+    def forward(self, x):
+        for lin, norm in zip(self.linears, self.norms):
+            x = F.gelu(norm(lin(x)))
+        return x
+
+
+def _model(device, d=24):
+    torch.manual_seed(0)
+    return Blocks(d).to(device)
+
+
+def test_wrapper_code_allocates_reuses_and_calls_kernels_directly(device):
+    """The printed program of a small model: each kernel is one plain call with buffers allocated in
+    the program, a buffer nothing reads any more is handed to a later kernel, no module calls."""
+    m = _model(device)
+    x = torch.randn(5, 24, device=device)
+    with torch.no_grad():
+        fused = fuser.fuse(m)
+        assert_close_to_eager(fused(x), m(x))
+    code = fused.code
+    assert len(fused.report.regions) == 3
+    for i in range(3):
+        assert f"kernels_fused_{i}(" in code
+    assert f"buf0 = kernels_empty_strided_{device}((5, 24), (24, 1), torch.float32)" in code
+    assert "buf1" not in code  # the three outputs share one buffer: each is dead when the next is written
+    assert code.count(", buf0)") == 3
+    assert "self.fused_" not in code
+    # the kernels are still attributes of the program, for tools and tests
+    (gm,) = fused.graph_modules
+    assert sum(isinstance(k, RegionKernel) for k in gm.modules()) == 3
+
+
+def test_wrapper_checks_only_inputs_it_did_not_allocate(device):
+    """A kernel reading another kernel's buffer skips the check; one reading a graph input keeps it."""
+    def f(x):
+        h = torch.softmax(x, -1)               # a reduction over rows...
+        return (h.t() * 2).amax(1), h.sum(-1)  # ...whose output a reduction over columns reads
+
+    x = torch.randn(37, 23, device=device)
+    fused = fuser.fuse(f)
+    assert_close_to_eager(fused(x), f(x))
+    (gm,) = fused.graph_modules
+    kernels = [k for k in gm.modules() if isinstance(k, RegionKernel)]
+    assert len(kernels) == 2
+    produced = {o for k in kernels for o in k.region.outputs}
+    for k in kernels:
+        for i, n in enumerate(k.region.inputs):
+            assert (i in k.checked) == (n not in produced), (k.name, n.name)
+    assert any(n in produced for k in kernels for n in k.region.inputs)
+
+
+def test_into_with_other_strides_gets_its_variant_and_other_shapes_raise(device):
+    """`into` (the wrapper's entry) meets an input whose strides are not the captured ones: a variant
+    for them runs, with eager's result; other shapes are refused with the cause."""
+    fused = fuser.fuse(lambda a, b: torch.exp(a) * b + 1)
+    a, b = torch.randn(13, 17, device=device), torch.randn(13, 17, device=device)
+    fused(a, b)
+    (k,) = [k for gm in fused.graph_modules for k in gm.modules() if isinstance(k, RegionKernel)]
+    (shape, stride, dtype, dev), = k.buffers()
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
+    at, bt = (torch.randn(17, 13, device=device).t() for _ in range(2))  # same shapes, transposed strides
+    assert_close_to_eager(k.into(at, bt, out), torch.exp(at) * bt + 1)
+    assert_close_to_eager(k.into(a, bt, out), torch.exp(a) * bt + 1)
+    with pytest.raises(RuntimeError, match="made for"):
+        k.into(torch.randn(13, 18, device=device), b, out)
+
+
+def _alloc(g, name, shape=(4, 4)):
+    return g.create_node("call_function", runtime.allocator(torch.device("cpu")), (shape, (shape[-1], 1), torch.float32),
+                         name=name)
+
+
+def _kernel(n_in):
+    return runtime.named("k", lambda *a: a[n_in], returns_args=slice(n_in, None))
+
+
+def test_reuse_buffers_respects_views_and_outputs():
+    """A buffer seen through a view is busy until the view's last use; a buffer (or view) that is an
+    output of the graph is never handed on; a dead one is."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    allocs = set()
+    b0 = _alloc(g, "b0")
+    k0 = g.call_function(_kernel(1), (x, b0))
+    v = g.call_function(aten.t.default, (k0,))           # a view of b0
+    b1 = _alloc(g, "b1")
+    k1 = g.call_function(_kernel(1), (x, b1))              # b0 is still seen through v: no reuse
+    m = g.call_function(aten.mm.default, (v, k1))          # last use of v and of b1
+    b2 = _alloc(g, "b2")
+    k2 = g.call_function(_kernel(1), (m, b2))              # b0 and b1 are dead here: b2 takes one
+    b3 = _alloc(g, "b3")
+    k3 = g.call_function(_kernel(1), (k2, b3))             # b2's buffer is busy (read here)...
+    g.output((k3, g.call_function(operator.getitem, ((k2, k3), 0))))
+    allocs = {b0, b1, b2, b3}
+    saved = reuse_buffers(g, allocs)
+    names = [n.name for n in g.nodes if n.name.startswith("b")]
+    assert saved == 2 and names == ["b0", "b1"], names
+    assert k2.args[1] is b0 and k3.args[1] is b1
+
+
+def test_reuse_buffers_keeps_graph_outputs_apart():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    b0 = _alloc(g, "b0")
+    k0 = g.call_function(_kernel(1), (x, b0))
+    b1 = _alloc(g, "b1")
+    k1 = g.call_function(_kernel(1), (x, b1))
+    g.output((k0, k1))
+    assert reuse_buffers(g, {b0, b1}) == 0
+
+
+# ------------------------------------------------------------------------------------------ options
+def test_cuda_graph_options_are_accepted_and_reported_on_cpu():
+    """On CPU every spelling is accepted, the outputs are eager's, and the report says the option had
+    no effect; unknown modes and bad values are errors naming the choices."""
+    m = _model("cpu")
+    x = torch.randn(5, 24)
+    for compiled in (torch.compile(m, backend="fuser", mode="reduce-overhead"),
+                     torch.compile(m, backend="fuser", options={"cuda_graphs": True})):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            assert_close_to_eager(compiled(x), m(x))
+        assert any("cuda_graphs: not used" in n and "CPU" in n for n in fuser.last_report().notes)
+    fused = fuser.fuse(m, cuda_graphs=True)
+    with torch.no_grad():
+        assert_close_to_eager(fused(x), m(x))
+    assert any("no effect" in n for n in fused.report.notes)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        fuser.fuse(m, cuda_graphs="yes")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="mode='fastest' is not known"):
+        torch.compile(m, backend="fuser", mode="fastest")(x)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def _launches(monkeypatch) -> list:
+    """Counts Python-side launches of fuser's region kernels."""
+    calls = []
+    original = runtime.Launcher.__call__
+
+    def counted(self, *args):
+        calls.append(1)
+        return original(self, *args)
+    monkeypatch.setattr(runtime.Launcher, "__call__", counted)
+    return calls
+
+
+@cuda
+@pytest.mark.parametrize("how", ["mode", "options", "fuse"])
+def test_cuda_graph_replay_matches_eager_across_addresses_and_sizes(how, monkeypatch):
+    """Inputs at new addresses on every call, three sizes (a graph each): eager's outputs every time,
+    and once recorded, a call launches nothing from Python."""
+    m = _model("cuda", 64)
+    if how == "mode":
+        compiled = torch.compile(m, backend="fuser", mode="reduce-overhead", dynamic=False)
+    elif how == "options":
+        compiled = torch.compile(m, backend="fuser", options={"cuda_graphs": True}, dynamic=False)
+    else:
+        compiled = fuser.fuse(m, cuda_graphs=True, dynamic=False)
+    calls = _launches(monkeypatch)
+    with torch.no_grad():
+        for rows in (5, 9, 5, 17, 9):
+            for _ in range(3):
+                x = torch.randn(rows, 64, device="cuda")  # a new tensor (address) each call
+                calls.clear()
+                assert_close_to_eager(compiled(x), m(x))
+        assert not calls  # the third call at each size replays
+    notes = fuser.last_report().notes
+    assert any("replayed as CUDA graphs" in n for n in notes)
+
+
+@cuda
+def test_cuda_graph_outputs_kept_by_the_caller_keep_their_values():
+    m = _model("cuda", 64)
+    fused = fuser.fuse(m, cuda_graphs=True)
+    xs = [torch.randn(8, 64, device="cuda") for _ in range(6)]
+    with torch.no_grad():
+        kept = [fused(x) for x in xs]  # each replay would write over the previous output
+        for x, y in zip(xs, kept):
+            assert_close_to_eager(y, m(x))
+
+
+@cuda
+def test_cuda_graph_symbolic_sizes_and_training_step():
+    """dynamic=True: one graph, CUDA graphs per size seen; a training step's gradients match eager."""
+    m = _model("cuda", 64)
+    ref = _model("cuda", 64)
+    compiled = torch.compile(m, backend="fuser", mode="reduce-overhead", dynamic=True)
+    with torch.no_grad():
+        for rows in (7, 11, 7, 13, 11):
+            x = torch.randn(rows, 64, device="cuda")
+            assert_close_to_eager(compiled(x), ref(x))
+    for step in range(4):
+        x = torch.randn(16, 64, device="cuda")
+        loss = compiled(x).square().mean()
+        loss.backward()
+        ref(x).square().mean().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert_close_to_eager(p.grad, q.grad, scale=10)
+            p.grad = q.grad = None
