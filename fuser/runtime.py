@@ -647,15 +647,30 @@ class CudaGraphs:
 
     def __init__(self, fn, gm, example_inputs, static: list, *, backward: bool, inference: bool, note):
         self.fn, self.note, self.inference = fn, note, inference
-        device = next(iter(get_device_node_mapping(gm))).index
-        self.graphed = cudagraph_trees.cudagraphify_impl(
-            fn, list(example_inputs), static, device_index=device, is_backward=backward, is_inference=inference,
+        self.static = static
+        self.device = next(iter(get_device_node_mapping(gm))).index
+        self.trees_kwargs = dict(
+            device_index=self.device, is_backward=backward, is_inference=inference,
             stack_traces=[None] * len(gm.graph.output_node().args[0]),
             placeholders=get_placeholder_info(gm.graph), mutated_input_idxs=find_input_mutations(gm.graph))
-        self.ints = [i for i, v in enumerate(example_inputs) if isinstance(v, int)]
-        self.keys: set = set()
+        self.graphs: dict = {}  # size key -> trees' replaying function
+        self.varying: list | None = None  # positions of the inputs that are not static
         self.returned: list = []  # weak references to the aliases the previous call returned
         self._boxed_call = True
+
+    def _model(self, inputs: list):  # trees' convention: the callee empties the list it is given
+        args = list(inputs)
+        inputs.clear()
+        return self.fn(args)
+
+    def _key(self, args) -> tuple:
+        """The sizes of this call: its int inputs and the shapes of its tensors other than parameters
+        (trees key on ints alone, and a size may reach the graph only through a tensor's shape)."""
+        if self.varying is None:
+            static = set(self.static)
+            self.varying = [i for i in range(len(args)) if i not in static]
+        return tuple(a if isinstance(a, int) else a.shape if isinstance(a, torch.Tensor) else None
+                     for a in map(args.__getitem__, self.varying))
 
     def __call__(self, args: list):
         for ref in self.returned:
@@ -663,14 +678,17 @@ class CudaGraphs:
             if held is not None:  # the caller kept it: its values move out of the pool before the replay
                 held.data = held.clone(memory_format=torch.preserve_format)
         self.returned = []
-        key = tuple(args[i] for i in self.ints)
-        if key not in self.keys:
-            if len(self.keys) >= CUDA_GRAPH_SIZES:
+        key = self._key(args)
+        graphed = self.graphs.get(key)
+        if graphed is None:
+            if len(self.graphs) >= CUDA_GRAPH_SIZES:
                 self.note(f"cuda_graphs: more than {CUDA_GRAPH_SIZES} sizes seen; calls at other sizes run "
                           "without CUDA graphs")
                 return self.fn(args)
-            self.keys.add(key)
-        out = self.graphed(args)
+            # made at the first real call: trees read the ints of real inputs, not of fake ones
+            graphed = self.graphs[key] = cudagraph_trees.cudagraphify_impl(
+                self._model, list(args), self.static, **self.trees_kwargs)
+        out = graphed(args)
         if not self.inference:
             return out
         out = [t.detach() if isinstance(t, torch.Tensor) else t for t in out]
