@@ -20,14 +20,12 @@ kernel_ms (GPU time of kernels) and kernels per step.
 Writes <gpu>-<date>-models.{json,md} after every cell, so a run cut short keeps what it measured.
 """
 import argparse
-import contextlib
 import datetime
 import gc
 import inspect
 import json
 import math
 import re
-import signal
 import statistics
 import sys
 import time
@@ -36,6 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import time_limit  # noqa: E402  (bench/bench.py: one SIGALRM limit for both benches)
 from fuser.backend import all_reports, fuser_backend  # noqa: E402
 
 # installed, fuser registers its backend through an entry point; from a bare checkout, register it here
@@ -213,20 +213,6 @@ def _prepare(name, d, device, systems):
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def time_limit(seconds):
-    """Raise TimeoutError after `seconds`, so one stuck compile cannot eat the whole run."""
-    def expire(signum, frame):
-        raise TimeoutError(f"over the {seconds} s limit per cell")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _kernel_events(prof):

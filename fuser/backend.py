@@ -152,7 +152,7 @@ def _cuda_graphed(run, gm, example_inputs, report: FusionReport, backward: bool,
     if reason is not None:
         note(f"cuda_graphs: not used for this graph: {reason}")
         return run
-    graphed = CudaGraphs(run, gm, example_inputs, static, backward=backward, inference=inference, note=note)
+    graphed = CudaGraphs(run, gm, static, backward=backward, inference=inference, note=note)
     note("cuda_graphs: this graph's kernels are replayed as CUDA graphs (one per size)")
 
     def replay(args):
