@@ -418,12 +418,12 @@ def _lcm(a, b):
     "_maximum": """
 @triton.jit
 def _maximum(a, b):
-    return tl.where((a > b) | (a != a), a, b)
+    return tl.where(a > b, a, tl.where(a != a, a, b))  # no `|`: the interpreter refuses a 0-d operand's
 """,
     "_minimum": """
 @triton.jit
 def _minimum(a, b):
-    return tl.where((a < b) | (a != a), a, b)
+    return tl.where(a < b, a, tl.where(a != a, a, b))  # no `|`: the interpreter refuses a 0-d operand's
 """,
     "_remainder": """
 @triton.jit

@@ -21,6 +21,7 @@ from fuser.patterns.attention import causal_offset, find
 from . import ops
 from .cost import eager_cost, tensor_bytes
 from .dtypes import target
+from .fold import fold_constants
 from .graph import ComputeGraph, meta, shape
 from .runtime import AttentionKernel, RegionKernel
 from .partition import Partitioner
@@ -39,6 +40,7 @@ def _describe(n) -> str:
 def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = True) -> tuple[fx.GraphModule, FusionReport]:
     """Recognise attention, partition the rest, emit a kernel per region, rewrite.  What cannot be
     emitted stays eager, with the reason."""
+    folded = fold_constants(gm)
     cg = ComputeGraph(gm.graph)
     attentions = find(gm.graph, cg) if attention else []
     taken = {n for a in attentions for n in a.nodes}
@@ -81,6 +83,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = Tr
     devices = {n.meta["val"].device.type for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
     if "cpu" in devices and units:
         report.notes.append("CPU tensors: the kernels run through Triton's interpreter (correct, slow; for tests)")
+    if folded:
+        report.notes.append(f"{len(folded)} constants computed once, at compile time: {', '.join(folded)}")
     new = rewrite(gm, units, kernels, bound) if units else gm
     report.code.append(new.code)
     return new, report

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from . import indexing as ix
-from .runtime import allocator, reuse_buffers
+from .runtime import allocator, fast_views, reuse_buffers
 
 
 class Unbound(Exception):
@@ -111,6 +111,8 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None
             env[o] = new
             new.meta = dict(o.meta)
     graph.eliminate_dead_code()
+    exact = ours | {n for n in graph.nodes if n.meta.get("folded")}
+    fast_views(graph, exact)
     reuse_buffers(graph, allocations)
     new = fx.GraphModule(gm, graph)
     for k in kernels:

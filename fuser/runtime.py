@@ -143,6 +143,7 @@ class Launcher:
         self.interpreted = interpreted(device_type)
         self.constexprs = tuple(v for k, v in meta.items() if k != "num_warps")  # in parameter order
         self.compiled: dict = {}
+        self.aligned = None  # the compiled kernel for tensor arguments all 16-byte aligned, no ints
 
     def __call__(self, grid: int, *args):
         if self.interpreted:
@@ -158,6 +159,8 @@ class Launcher:
         compiled = self.fn[(grid,)](*args, **self.meta)
         if hasattr(compiled, "packed_metadata"):
             self.compiled[key] = compiled
+            if all(k is True for k in key):
+                self.aligned = compiled
 
 
 def _no_launch_hooks() -> bool:
@@ -410,7 +413,33 @@ class RegionKernel(torch.nn.Module):
         static sizes (the wrapper allocates the outputs), `forward` for symbolic ones."""
         if self.symbols:
             return named(self.name, self.forward)
-        return named(self.name, self.into, returns_args=slice(len(self.in_sigs), None))
+        into = self._bound_into() if self.device_type == "cuda" and not (self.moved or self.empty) else self.into
+        return named(self.name, into, returns_args=slice(len(self.in_sigs), None))
+
+    def _bound_into(self):
+        """`into` for the common case, bound once at load time: the captured variant and launch
+        config; every checked input in the captured layout and 16-byte aligned (the outputs and the
+        other inputs are buffers of the wrapper or of the graph's kernels, so aligned); the kernel
+        compiled (from the second call on); no launch hook; the kernel's device current.  Then a
+        call is the checks and the compiled kernel's launch (about 1 us of Python); anything else
+        goes through `into`."""
+        n, index, single, slow = len(self.in_sigs), self.device.index, len(self.out_sigs) == 1, self.into
+        checks = [(i, self.in_sigs[i].shape, self.in_sigs[i].stride, self.in_sigs[i].dtype) for i in self.checked]
+        launcher = self._captured[0].launcher(self._plan, "cuda", self.reduction)
+        grid, constexprs = self._plan.programs, launcher.constexprs
+
+        def into(*args):
+            compiled = launcher.aligned
+            if compiled is None or _current_device() != index or not _no_launch_hooks():
+                return slow(*args)
+            for i, shape, stride, dtype in checks:
+                t = args[i]
+                if t.stride() != stride or t.shape != shape or t.dtype != dtype or t.data_ptr() % 16:
+                    return slow(*args)
+            compiled.run(grid, 1, 1, _raw_stream(index), compiled.function, compiled.packed_metadata,
+                         None, None, None, *args, *constexprs)
+            return args[n] if single else args[n:]
+        return into
 
     def extra_repr(self) -> str:
         sizes = f", sizes {', '.join(map(str, self.symbols))}" if self.symbols else ""
@@ -522,6 +551,85 @@ def allocator(device: torch.device):
     return named(f"empty_strided_{device.type}", alloc)
 
 
+_MULTI_VIEWS = {torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.unbind.int,
+                torch.ops.aten.chunk.default, torch.ops.aten.tensor_split.sections}
+# as Inductor's generated code calls it: a view of the base's storage at an offset from the base's
+reinterpret = named("reinterpret", torch._C._dynamo.guards._reinterpret_tensor, returns_args=slice(0, 1))
+
+
+def fast_views(graph, exact: set) -> int:
+    """Views over static layouts (view, permute, expand, slice, a split's pieces...) become one
+    reinterpretation of the tensor they start from, as in Inductor's generated code: a call through
+    the dispatcher costs about 5 us of host time, a reinterpretation about 1, and a chain of views
+    (split -> view -> permute) collapses into one.  A chain starting from a tensor whose layout is
+    known (`exact`: our kernels' buffers, folded constants) is reinterpreted outright; one starting
+    from an input or an eager op's result first checks that it has the shape and strides it was
+    traced with, and otherwise runs the chain's ops as written (`view_chain`).  as_strided is left
+    alone (its offset is absolute).  Returns the number of views rewritten."""
+    chains: dict = {}  # a rewritten node -> (the tensor its chain starts from, the chain's steps)
+    done = 0
+    for n in list(graph.nodes):
+        site = _view_site(n)
+        if site is None:
+            continue
+        base, step = site
+        root, steps = chains.get(base, (base, ()))
+        steps = (*steps, step)
+        v, r = n.meta["val"], root.meta["val"]
+        layout = (tuple(v.shape), v.stride(), v.storage_offset() - r.storage_offset())
+        with graph.inserting_before(n):
+            if root in exact:
+                new = graph.call_function(reinterpret, (root, *layout))
+            else:
+                new = graph.call_function(view_chain, (root, *layout, tuple(r.shape), r.stride(), *steps))
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
+        chains[new] = (root, steps)
+        done += 1
+    graph.eliminate_dead_code()
+    return done
+
+
+def _view_site(n):
+    """(base, step) when `n` is a view of a tensor over static sizes with its base's dtype, else None;
+    the step is (op, args, kwargs, index of the piece taken or None)."""
+    if n.op != "call_function":
+        return None
+    if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and n.args[0].target in _MULTI_VIEWS:
+        whole = n.args[0]
+        base, step = whole.args[0], (whole.target, tuple(whole.args[1:]), dict(whole.kwargs), n.args[1])
+    elif isinstance(n.target, torch._ops.OpOverload) and (n.target.is_view or n.target is torch.ops.aten._unsafe_view.default) \
+            and n.target not in _MULTI_VIEWS and "as_strided" not in n.target.__name__:
+        base, step = n.args[0], (n.target, tuple(n.args[1:]), dict(n.kwargs), None)
+    else:
+        return None
+    if not isinstance(base, torch.fx.Node):
+        return None
+    v, b = n.meta.get("val"), base.meta.get("val")
+    if not (isinstance(v, torch.Tensor) and isinstance(b, torch.Tensor)) or v.dtype != b.dtype or v.layout != torch.strided \
+            or b.layout != torch.strided or not all(_static(t) for t in (v, b)):
+        return None
+    return base, step
+
+
+def _static(t) -> bool:
+    return all(isinstance(x, int) for x in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+def _view_chain(root, size, stride, offset, root_size, root_stride, *steps):
+    """A chain of views of `root`: if root has the traced layout, one reinterpretation; else the ops."""
+    if root.stride() == root_stride and root.shape == root_size:
+        return torch._C._dynamo.guards._reinterpret_tensor(root, size, stride, offset)
+    t = root
+    for op, args, kwargs, index in steps:
+        t = op(t, *args, **kwargs) if index is None else op(t, *args, **kwargs)[index]
+    return t
+
+
+view_chain = named("view_chain", _view_chain, returns_args=slice(0, 1))
+
+
 def reuse_buffers(graph, allocations: set) -> int:
     """Lets a buffer allocation (a node in `allocations`, args (size, stride, dtype)) take over an
     earlier buffer of the same size, stride and dtype that nothing reads any more: no later node
@@ -577,6 +685,8 @@ def _aliased(n, members) -> frozenset:
         args = n.args[:1]
     elif hasattr(target, "returns_args"):  # our kernels (named)
         args = n.args[target.returns_args]
+    elif target is torch.ops.aten._unsafe_view.default:  # a view, though its schema says a new tensor
+        args = n.args[:1]
     elif schema is not None:
         if not any(r.alias_info is not None for r in schema.returns):
             return frozenset()  # a new tensor

@@ -136,6 +136,124 @@ def test_reuse_buffers_keeps_graph_outputs_apart():
     assert reuse_buffers(g, {b0, b1}) == 0
 
 
+# ------------------------------------------------------------------------------------------ views
+class Heads(nn.Module):
+    """A projection split into three, reshaped to heads and fed to eager matmuls: the views stay
+    outside any region (they feed matmuls), so the wrapper runs them."""
+
+    def __init__(self, d=24, h=4):
+        super().__init__()
+        self.h, self.lin = h, nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.lin(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        w = torch.relu(q @ k.transpose(-1, -2))
+        return (w @ v).transpose(1, 2).reshape(b, t, d) * 2
+
+
+def test_views_in_the_wrapper_reinterpret_their_base(device):
+    """Views over static layouts (split pieces, view, transpose) print as reinterpretations of their
+    base; the program's result is eager's."""
+    torch.manual_seed(0)
+    m = Heads().to(device)
+    x = torch.randn(3, 7, 24, device=device)
+    with torch.no_grad():
+        fused = fuser.fuse(m)
+        assert_close_to_eager(fused(x), m(x))
+    code = fused.code
+    assert "kernels_view_chain(" in code, code
+    assert not any(f"= torch.ops.aten.{op}" in code for op in ("permute", "split", "view", "expand")), code
+
+
+def _chain_of(captured, steps):
+    """The traced layout of `steps` applied to `captured`, as fast_views writes it into the program."""
+    t = captured
+    for op, args, kwargs, index in steps:
+        t = op(t, *args, **kwargs) if index is None else op(t, *args, **kwargs)[index]
+    return (tuple(t.shape), t.stride(), t.storage_offset() - captured.storage_offset(),
+            tuple(captured.shape), captured.stride(), *steps)
+
+
+@pytest.mark.parametrize("steps", [
+    [(aten.permute.default, ([2, 0, 1],), {}, None)],
+    [(aten.view.default, ([6, 35],), {}, None)],
+    [(aten.slice.Tensor, (2, 1, 5), {}, None), (aten.expand.default, ([2, 5, 6, 4],), {}, None)],
+    [(aten.split.Tensor, (2, 1), {}, 1), (aten.unsqueeze.default, (0,), {}, None),
+     (aten.permute.default, ([0, 3, 1, 2],), {}, None)],
+], ids=["permute", "view", "slice-expand", "split-unsqueeze-permute"])
+def test_a_chain_of_views_is_one_reinterpretation_or_its_ops(steps):
+    """The wrapper's view chain checks the tensor it starts from: in the traced layout (at any
+    storage offset: the view's offset is relative to it), one reinterpretation; in other strides, the
+    ops themselves.  Each time eager's values and layout."""
+    captured = torch.randn(5, 6, 7)
+    chain = _chain_of(captured, steps)
+    shifted = torch.randn(2, 5, 6, 7)[1]  # the traced strides at another offset
+    strided = torch.randn(7, 6, 5).permute(2, 1, 0)  # same shape, other strides
+    bases = [captured, shifted] + ([] if steps[0][0] is aten.view.default else [strided])  # view refuses those
+    for base in bases:
+        got, want = runtime.view_chain(base, *chain), base
+        for op, args, kwargs, index in steps:
+            want = op(want, *args, **kwargs) if index is None else op(want, *args, **kwargs)[index]
+        assert got.data_ptr() == want.data_ptr() and got.stride() == want.stride()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ folding
+class MaskEveryCall(nn.Module):
+    """What Hugging Face models do each step: positions and a causal mask built from arange, then
+    used by eager matmuls and a fused softmax."""
+
+    def __init__(self, d=16, t=11):
+        super().__init__()
+        self.pos = nn.Embedding(t, d)
+
+    def forward(self, x):
+        t = x.shape[1]
+        i = torch.arange(t, device=x.device)
+        causal = (i[None, :] <= i[:, None]).cumsum(-1) > 0  # a scan: eager, unless folded
+        h = x + self.pos(i)
+        s = (h @ h.transpose(-1, -2)).masked_fill(~causal, -1e4)
+        return torch.relu(s) @ h
+
+
+def test_constants_are_computed_once_at_compile_time(device):
+    """Everything computed from no input (arange, the comparisons, the cumsum) is folded into buffers
+    of the program, listed in the report; results stay eager's."""
+    torch.manual_seed(0)
+    m = MaskEveryCall().to(device)
+    x = torch.randn(2, 11, 16, device=device)
+    with torch.no_grad():
+        fused = fuser.fuse(m)
+        assert_close_to_eager(fused(x), m(x))
+        assert_close_to_eager(fused(x + 1), m(x + 1))
+    code = fused.code
+    assert "aten.arange" not in code and "aten.cumsum" not in code, code
+    assert "kernels_reinterpret(fused_0" in code, code  # a view of a kernel's buffer: no check needed
+    notes = [n for n in fused.report.notes if "compile time" in n]
+    assert notes, fused.report.notes
+    (gm,) = fused.graph_modules
+    assert any(name.startswith("_folded_") for name, _ in gm.named_buffers())
+
+
+def test_random_and_symbolic_values_are_not_folded(device):
+    """A random tensor is redrawn every call, and one whose size follows the input's (dynamic) is
+    computed per call: neither is folded."""
+    def noisy(x):
+        return x * torch.rand(x.shape[-1], device=x.device) + torch.arange(x.shape[0], device=x.device)[:, None]
+
+    x = torch.randn(6, 13, device=device)
+    fused = fuser.fuse(noisy)
+    a, b = fused(x), fused(x)
+    assert not torch.equal(a, b)  # the random part was drawn twice
+    assert "rand" in fused.code
+    d = fuser.fuse(lambda x: x * torch.arange(x.shape[0], device=x.device)[:, None], dynamic=True)
+    for n in (6, 9):
+        y = torch.randn(n, 13, device=device)
+        assert_close_to_eager(d(y), y * torch.arange(n, device=device)[:, None])
+
+
 # ------------------------------------------------------------------------------------------ options
 def test_cuda_graph_options_are_accepted_and_reported_on_cpu():
     """On CPU every spelling is accepted, the outputs are eager's, and the report says the option had

@@ -57,6 +57,19 @@ def test_nan_through_max_min_clamp_where(dtype, device):
     assert {"maximum", "minimum", "clamp", "where", "amax", "amin"} <= fused_ops(fused.report)
 
 
+@pytest.mark.parametrize("op", [torch.minimum, torch.maximum])
+def test_nan_through_min_max_with_a_0d_tensor(op, device):
+    """A 0-d tensor (an input, or a constant folded at compile time) read by a kernel as a scalar,
+    against a block holding NaNs: NaN wins from either side, and the op is fused."""
+    s, x = torch.tensor(0.3, device=device), torch.randn(3, 423, device=device)
+    x[1, 5] = float("nan")
+    nan_s = torch.tensor(float("nan"), device=device)
+    for a, b in ((s, x), (x, s), (nan_s, x)):
+        fused = fuser.fuse(lambda a, b: op(a, b) * 2)
+        assert_close_to_eager(fused(a, b), op(a, b) * 2, equal_nan=True)
+        assert fused.report.fallback is None and op.__name__ in fused_ops(fused.report), fused.report
+
+
 def test_softmax_over_rows_all_minus_inf(device):
     """A fully masked row: eager's softmax gives NaN (0/0), so does the kernel."""
     a = torch.randn(5, 33, device=device)

@@ -1,0 +1,142 @@
+"""Constant folding: the part of a graph that depends on none of its inputs runs once, at compile time.
+
+Models rebuild constants on every call: Hugging Face makes its causal mask from `arange`, `cumsum`
+and indexing each step, a rotary table from `arange` and `cos`.  In eager and in the captured graph
+those are a dozen tiny launches and about 5 us of host time each.  Here every node computed only
+from constructors and module constants (`get_attr`) is evaluated once on the device, with real
+tensors, and the graph reads the result as a buffer of the GraphModule.
+
+Only where it pays: a constant that our kernels can compute in their index math and that only
+fused ops read (an `arange` feeding a pointwise chain) is left to them.  Not folded: random ops (a mask must be redrawn each call), ops that write to their arguments, a
+value the graph mutates, returns, or whose sizes are symbolic, and results larger than
+FOLD_LIMIT_BYTES (a folded value stays in memory for the graph's life).  Inductor's own folder
+(torch._inductor.constant_folding) is written for frozen parameters, skips constructors (what we
+need folded) and imports Inductor's compile stack (seconds), hence this small pass.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from .graph import ComputeGraph
+
+log = logging.getLogger("fuser")
+FOLD_LIMIT_BYTES = 1 << 24  # per folded value
+
+
+def fold_constants(gm: fx.GraphModule) -> list[str]:
+    """Folds gm in place; returns a line per folded value for the report."""
+    graph = gm.graph
+    const = {n for n in graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor)}
+    for n in graph.nodes:
+        if n.op != "call_function" or not all(a in const for a in n.all_input_nodes):
+            continue
+        if _foldable(n) or (n.target is operator.getitem and n.args[0] in const):
+            const.add(n)
+    written = {a for n in graph.nodes for a in _written(n)}
+    if written & const:
+        return []  # a constant is mutated in place: its value is per call
+    cg = ComputeGraph(graph)
+    frontier = [n for n in const if n.op == "call_function" and _materialised(n, const) and _pays(n, const, cg)]
+    if not frontier:
+        return []
+    values = _evaluate(gm, const, frontier)
+    notes = []
+    for n in frontier:
+        value = values.get(n)
+        if value is None:
+            continue
+        name = _fresh(gm, f"_folded_{n.name}")
+        gm.register_buffer(name, value, persistent=False)
+        with graph.inserting_before(n):
+            new = graph.get_attr(name)
+        new.meta = dict(n.meta, folded=True)  # its layout is the traced one (checked in _evaluate)
+        n.replace_all_uses_with(new)
+        notes.append(f"{n.name}: {list(value.shape)} {str(value.dtype).replace('torch.', '')}")
+    graph.eliminate_dead_code()
+    gm.recompile()
+    if notes:
+        log.debug("fuser: folded %d constants: %s", len(notes), ", ".join(notes))
+    return notes
+
+
+def _foldable(n: fx.Node) -> bool:
+    op = n.target
+    if not isinstance(op, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in op.tags:
+        return False
+    if op._schema.is_mutable or "empty" in op.__name__:  # in place, or memory without values
+        return False
+    v = n.meta.get("val")
+    values = v if isinstance(v, (list, tuple)) else [v]
+    return all(isinstance(t, torch.Tensor) and t.layout == torch.strided
+               and all(isinstance(x, int) for x in (*t.shape, *t.stride())) for t in values)
+
+
+def _written(n: fx.Node) -> list:
+    """The nodes an op writes to (its mutable arguments)."""
+    schema = getattr(n.target, "_schema", None)
+    if n.op != "call_function" or schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            out += [x for x in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(x, fx.Node)]
+    return out
+
+
+def _materialised(n: fx.Node, const: set) -> bool:
+    """A constant that a computed node reads: its value is kept (not one the output returns, which
+    would hand every caller the same tensor, and not a many-result op: its pieces are kept instead)."""
+    users = set(n.users)
+    if any(u.op == "output" for u in users):
+        return False
+    if isinstance(n.meta.get("val"), (list, tuple)):
+        return False
+    return any(u not in const for u in users)
+
+
+def _pays(n: fx.Node, const: set, cg: ComputeGraph) -> bool:
+    """Folding pays unless the value and everything it is made from can be lowered and all its
+    readers too: then the regions that read it compute it in their index math (arange, full: no
+    bytes at all), where a folded buffer would be read from memory."""
+    made_of, todo = set(), [n]
+    while todo:
+        m = todo.pop()
+        if m in made_of or m.op != "call_function":
+            continue
+        made_of.add(m)
+        todo += m.all_input_nodes
+    lowered = all(m.target is operator.getitem or cg.fusible(m) for m in made_of)
+    return not lowered or any(u.op == "call_function" and not cg.fusible(u) for u in n.users)
+
+
+def _evaluate(gm: fx.GraphModule, const: set, frontier: list) -> dict:
+    """The frontier's real values, computed by running the constant nodes (fake mode off)."""
+    env, out = {}, {}
+    wanted = set(frontier)
+    with unset_fake_temporarily(), torch.no_grad():
+        for n in gm.graph.nodes:
+            if n not in const:
+                continue
+            if n.op == "get_attr":
+                env[n] = getattr(gm, n.target)
+                continue
+            args = torch.fx.node.map_arg(n.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
+            env[n] = n.target(*args, **kwargs)
+            v, fake = env[n], n.meta["val"]
+            if n in wanted and v.untyped_storage().nbytes() <= FOLD_LIMIT_BYTES \
+                    and v.shape == fake.shape and v.stride() == fake.stride() and v.dtype == fake.dtype:
+                out[n] = v  # kept only with the layout the graph was traced with
+    return out
+
+
+def _fresh(gm, name: str) -> str:
+    while hasattr(gm, name):
+        name += "_"
+    return name
