@@ -22,6 +22,7 @@ from . import ops
 from .cost import eager_cost, tensor_bytes
 from .dtypes import target
 from .fold import fold_constants
+from .padding import pad_matmuls
 from .graph import ComputeGraph, meta, shape
 from .runtime import AttentionKernel, RegionKernel
 from .partition import Partitioner
@@ -41,6 +42,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = Tr
     """Recognise attention, partition the rest, emit a kernel per region, rewrite.  What cannot be
     emitted stays eager, with the reason."""
     folded = fold_constants(gm)
+    padded = pad_matmuls(gm)
     cg = ComputeGraph(gm.graph)
     attentions = find(gm.graph, cg) if attention else []
     taken = {n for a in attentions for n in a.nodes}
@@ -85,6 +87,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = Tr
         report.notes.append("CPU tensors: the kernels run through Triton's interpreter (correct, slow; for tests)")
     if folded:
         report.notes.append(f"{len(folded)} constants computed once, at compile time: {', '.join(folded)}")
+    if padded:
+        report.notes.append(f"matmuls with unaligned widths padded: {', '.join(padded)}")
     new = rewrite(gm, units, kernels, bound) if units else gm
     report.code.append(new.code)
     return new, report
