@@ -24,7 +24,8 @@ _reports: list[FusionReport] = []
 _lock = threading.Lock()
 
 # option -> (default, allowed values, what it does)
-OPTIONS = {"attention": (True, (True, False), "recognise hand-written attention and run it as one kernel"),
+OPTIONS = {"attention": (True, (True, False, "triton"), "recognise hand-written attention: True runs it as SDPA where "
+                         "that is exact, else as our flash kernel; 'triton' always as our kernel; False leaves it"),
            "cuda_graphs": (False, (True, False), "replay each graph's kernels as CUDA graphs (GPU only)")}
 # torch.compile's modes, as fuser options: reduce-overhead is CUDA graphs; fuser does not autotune
 # (yet), so max-autotune is read as reduce-overhead and max-autotune-no-cudagraphs as default
@@ -102,7 +103,7 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
         def compile_(gm, example_inputs):
             index = len(_reports)
             try:
-                new, report = compile_graph(gm, graph_index=index, attention=opts["attention"] and not backward)
+                new, report = compile_graph(gm, graph_index=index, attention=opts["attention"] if not backward else False)
                 report.graph = index
             except Exception as e:
                 new, report = gm, FusionReport(graph=index)

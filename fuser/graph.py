@@ -11,6 +11,8 @@ from functools import cached_property
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import indexing as ix
 from . import ops
@@ -47,6 +49,20 @@ def is_size(n) -> bool:
 def is_generator(n) -> bool:
     """full, arange, ...: values from the index alone (full_like reads only its operand's shape)."""
     return getattr(n.target, "overloadpacket", None) in GENERATORS
+
+
+def refresh_fake(gm: fx.GraphModule, changed: list):
+    """The fake tensors of `changed` nodes and of everything downstream of them, again (a rewrite
+    that changes a value's strides changes its readers'); the rest keep theirs."""
+    mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    stale = set(changed)
+    with mode:
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or not (n in stale or any(a in stale for a in n.all_input_nodes)):
+                continue
+            stale.add(n)
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+            n.meta["val"] = n.target(*args, **kwargs)
 
 
 def operands(n: fx.Node) -> list[fx.Node]:
@@ -185,3 +201,44 @@ class ComputeGraph:
             if c is not None:
                 return [n, *c]
         return None
+
+
+def real_tensors():
+    """Fake mode off: for values computed at compile time."""
+    return unset_fake_temporarily()
+
+
+def run_node(node, values):
+    def arg(a):
+        return values[a] if isinstance(a, fx.Node) else a
+    args = torch.utils._pytree.tree_map(arg, node.args)
+    kwargs = torch.utils._pytree.tree_map(arg, node.kwargs)
+    return node.target(*args, **kwargs)
+
+
+def constant_value(n: fx.Node) -> torch.Tensor | None:
+    """n's real value when it is computed from constants alone (compile time), else None."""
+    try:
+        with torch.no_grad(), real_tensors():
+            return fold_into(n, {})
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+def fold_into(n, values: dict, depth=0):
+    """n's value when it is computed from constants alone (small graphs of them), else None; the
+    values met on the way are kept in `values`.  Call with fake mode off (real_tensors)."""
+    if n in values:
+        return values[n]
+    if n.op == "get_attr":  # a value fold.py computed at compile time, or a constant the trace lifted
+        const = n.meta.get("folded") or n.target.startswith("_tensor_constant")
+        value = getattr(n.graph.owning_module, n.target, None) if const else None
+        values[n] = value if isinstance(value, torch.Tensor) else None
+        return values[n]
+    if n.op != "call_function" or depth > 64:
+        return None
+    for a in n.all_input_nodes:
+        if fold_into(a, values, depth + 1) is None:
+            return None
+    values[n] = run_node(n, values)
+    return values[n]

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
+
+from .graph import refresh_fake
 
 aten = torch.ops.aten
 ALIGN_BYTES = 16
@@ -62,7 +63,7 @@ def pad_matmuls(gm: fx.GraphModule) -> list[str]:
     if notes:
         gm.graph.lint()
         gm.recompile()
-        _propagate(gm, changed)
+        refresh_fake(gm, changed)
     return notes
 
 
@@ -79,17 +80,3 @@ def _padded_width(n: fx.Node) -> int | None:
     if cols % per == 0 or rows < MIN_ROWS or 2 * rows * cols * int(k) < MIN_FLOPS:
         return None
     return -(-cols // per) * per
-
-
-def _propagate(gm: fx.GraphModule, changed: list):
-    """The fake tensors of the new nodes and of everything downstream of them, again (the padded
-    products change their readers' strides); the rest keep theirs."""
-    mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
-    stale = set(changed)
-    with mode:
-        for n in gm.graph.nodes:
-            if n.op != "call_function" or not (n in stale or any(a in stale for a in n.all_input_nodes)):
-                continue
-            stale.add(n)
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
-            n.meta["val"] = n.target(*args, **kwargs)

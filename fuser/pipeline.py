@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from fuser.codegen import attention as attention_codegen
+from fuser.codegen import sdpa
 from fuser.codegen.kernel import CodegenError, generate
 from fuser.codegen.score_mod import score_mod
 from fuser.patterns.attention import causal_offset, find
@@ -23,7 +24,7 @@ from .cost import eager_cost, tensor_bytes
 from .dtypes import target
 from .fold import fold_constants
 from .padding import pad_matmuls
-from .graph import ComputeGraph, meta, shape
+from .graph import ComputeGraph, meta, refresh_fake, shape
 from .runtime import AttentionKernel, RegionKernel
 from .partition import Partitioner
 from .report import FusionReport, RegionReport, Unfused
@@ -38,23 +39,28 @@ def _describe(n) -> str:
     return f"{list(v.shape)} {str(v.dtype).replace('torch.', '')}" if isinstance(v, torch.Tensor) else "?"
 
 
-def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = True) -> tuple[fx.GraphModule, FusionReport]:
+def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | str = True) -> tuple[fx.GraphModule, FusionReport]:
     """Recognise attention, partition the rest, emit a kernel per region, rewrite.  What cannot be
-    emitted stays eager, with the reason."""
+    emitted stays eager, with the reason.  `attention`: True lowers each attention to SDPA where
+    that is exact and to our kernel elsewhere, "triton" always to our kernel, False leaves it."""
     folded = fold_constants(gm)
     padded = pad_matmuls(gm)
+    report = FusionReport()
+    not_sdpa, lowered = _lower_to_sdpa(gm, graph_index, report) if attention is True else ({}, set())
     cg = ComputeGraph(gm.graph)
     attentions = find(gm.graph, cg) if attention else []
     taken = {n for a in attentions for n in a.nodes}
     part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg)
-    report, units, kernels, dropped = FusionReport(), [], [], []
+    units, kernels, dropped = [], [], []
     hints = dict(cg.sizes.hints)
     bound, made = {}, {}
     for a in attentions:
         kernel = _attention_kernel(a, cg, f"attention_{a.id}")
         units.append(a)
         kernels.append(kernel)
-        report.regions.append(_attention_report(a, cg, kernel, graph_index, len(report.regions), hints))
+        why = f"not SDPA: {not_sdpa[a.out]}" if a.out in not_sdpa else "attention='triton'"
+        report.regions.append(_attention_report(a, cg, kernel.name, kernel.source, graph_index,
+                                                len(report.regions), hints, f"triton flash kernel ({why})"))
     for region in part.partition():
         cost = part.cost(region)
         try:
@@ -80,7 +86,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool = Tr
     reasons = dict(part.unfused([u for u in units if u not in attentions]))
     reasons.update(dropped)  # a region dropped at codegen: its nodes say why, once
     for n, reason in reasons.items():
-        if n not in fused and n.target is not operator.getitem:
+        if n not in fused and n not in lowered and n.target is not operator.getitem:
             report.unfused.append(Unfused(ops.op_name(n), n.name, reason, graph_index))
     devices = {n.meta["val"].device.type for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
     if "cpu" in devices and units:
@@ -104,7 +110,35 @@ def _attention_kernel(att, cg, name: str) -> AttentionKernel:
                            meta(att.out).dtype, "score mod: " + "; ".join(mod.lines))
 
 
-def _attention_report(a, cg, kernel, graph_index, rid, hints) -> RegionReport:
+def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport) -> dict:
+    """Each attention SDPA can compute exactly becomes one SDPA call (codegen/sdpa.py), reported as
+    a region; returns {output node: why not} for the others, which go to our own kernel, and the
+    SDPA calls made (not listed as left to eager: they are the lowering)."""
+    cg = ComputeGraph(gm.graph)
+    hints = dict(cg.sizes.hints)
+    why, changed, fixups, calls = {}, [], {}, set()
+    for a in find(gm.graph, cg):
+        try:
+            with target(meta(a.q).device.type):
+                entry = _attention_report(a, cg, "sdpa", "", graph_index, len(report.regions), hints, "")
+                text, made = sdpa.lower(gm, a, fixups)
+        except sdpa.NotExpressible as e:
+            why[a.out] = str(e)
+            continue
+        entry.source, entry.lowering = text, "sdpa (the score chain is a scale and an additive mask)"
+        report.regions.append(entry)
+        changed += made
+        calls.update(n for n in made if n.target is aten.scaled_dot_product_attention.default)
+        log.debug("attention %s lowered to %s", a.out.name, text)
+    if changed:
+        gm.graph.eliminate_dead_code()  # a mask that became is_causal, the eager masks no attention reads now
+        gm.graph.lint()
+        gm.recompile()
+        refresh_fake(gm, changed)
+    return why, calls
+
+
+def _attention_report(a, cg, kernel, source, graph_index, rid, hints, lowering) -> RegionReport:
     """Unfused, every op of the attention is an eager kernel (the scores go to HBM and back each
     time); fused, q, k, v and the masks are read once and the output written once."""
     unfused = sum((eager_cost(cg, n)[0] for n in a.nodes if cg.is_compute(n)), sympy.Integer(0))
@@ -114,5 +148,5 @@ def _attention_report(a, cg, kernel, graph_index, rid, hints) -> RegionReport:
         input_shapes=[_describe(n) for n in a.inputs], output_shapes=[_describe(a.out)],
         bytes_unfused_expr=unfused, bytes_fused_expr=fused, hints=hints,
         launches_unfused=sum(eager_cost(cg, n)[1] for n in a.nodes if cg.is_compute(n)),
-        kernel=kernel.name, source=kernel.source)
+        kernel=kernel, source=source, lowering=lowering)
 

@@ -26,6 +26,7 @@ class RegionReport:
     source: str = field(repr=False)
     hints: dict = field(default_factory=dict)  # size symbol -> its value at capture
     seen: Callable | None = field(default=None, repr=False, compare=False)  # sizes of the latest call
+    lowering: str = ""  # attention: which lowering (sdpa, our triton kernel) and why
 
     @property
     def symbolic(self) -> bool:
@@ -128,6 +129,9 @@ class FusionReport:
             total = self.bytes_unfused / self.bytes_fused if self.bytes_fused else 1.0
             lines.append(f"HBM bytes in fused regions: {_bytes(self.bytes_unfused)} unfused -> "
                          f"{_bytes(self.bytes_fused)} fused (k = {total:.2f})")
+        for r in self.regions:
+            if r.lowering:
+                lines.append(f"  {r.graph}.{r.id} attention -> {r.lowering}" + (f": {r.source}" if r.kernel == "sdpa" else ""))
         for r in symbolic:
             at = ", ".join(f"{s}={v}" for s, v in sorted(r.sizes.items(), key=lambda kv: str(kv[0])))
             lines.append(f"  {r.graph}.{r.id} over symbolic sizes: fused {r.bytes_fused_expr} B, unfused "

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from fuser import ops
 from fuser.indexing import broadcast_shapes
-from fuser.graph import ComputeGraph, is_generator, meta, operands, shape
+from fuser.graph import ComputeGraph, fold_into, is_generator, meta, operands, real_tensors, run_node, shape
 
 aten = torch.ops.aten
 _VIEW = {aten.view, aten._unsafe_view, aten.reshape}
@@ -239,13 +239,13 @@ def causal_offset(att: Attention, cg: ComputeGraph) -> int | None:
     m, n = int(m), int(n)
     values = {}
     try:
-        with torch.no_grad(), _real_tensors():
+        with torch.no_grad(), real_tensors():
             for e in att.extras:
-                if _fold(e, values) is None:
+                if fold_into(e, values) is None:
                     return None
             values[att.scores] = torch.zeros((1, 1, m, n), device=meta(att.scores).device)
             for node in att.chain:
-                values[node] = _run(node, values)
+                values[node] = run_node(node, values)
             out = values[att.chain[-1]].float().reshape(-1, m, n)
             # -inf, or a finfo.min-style bias (fp16's finfo.min is -65504): exp() of it is 0 next to any
             # unmasked score, unless the whole row is masked; then eager averages over every key
@@ -266,29 +266,3 @@ def causal_offset(att: Attention, cg: ComputeGraph) -> int | None:
 
 
 _MASKED = torch.finfo(torch.float16).min / 2
-
-
-def _real_tensors():
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    return unset_fake_temporarily()
-
-
-def _run(node, values):
-    def arg(a):
-        return values[a] if isinstance(a, fx.Node) else a
-    args = torch.utils._pytree.tree_map(arg, node.args)
-    kwargs = torch.utils._pytree.tree_map(arg, node.kwargs)
-    return node.target(*args, **kwargs)
-
-
-def _fold(n, values, depth=0):
-    """n's value when it is computed from constants alone (small graphs of them), else None."""
-    if n in values:
-        return values[n]
-    if n.op != "call_function" or depth > 64:
-        return None
-    for a in n.all_input_nodes:
-        if _fold(a, values, depth + 1) is None:
-            return None
-    values[n] = _run(n, values)
-    return values[n]

@@ -1,4 +1,5 @@
-"""Attention written out by hand is recognised and runs as one flash-attention kernel.
+"""Attention written out by hand is recognised and runs as SDPA where that is exact, else as our own
+flash-attention kernel; `attention="triton"` forces our kernel.  Each test asserts the lowering chosen.
 
 fp32 on CPU (the interpreter's tl.dot is right there), bf16 on the GPU.  Fully masked rows must give
 what eager gives (NaN for -inf masks), so comparisons use equal_nan.
@@ -18,14 +19,22 @@ def _dtype(device):
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
-def _check(fn, *args, attention=1):
-    fused = fuser.fuse(fn)
+def _check(fn, *args, attention=1, lowering=True, expect=None):
+    """Fused vs eager; `expect`: "sdpa" or "triton", the lowering every attention must get."""
+    fused = fuser.fuse(fn, attention=lowering)
     with torch.no_grad():
         out, ref = fused(*args), fn(*args)
     torch.testing.assert_close(out, ref, equal_nan=True, **TOL[args[0].dtype])
     kinds = [r.kind for r in fused.report.regions]
     assert kinds.count("attention") == attention, fused.report
+    if expect is not None:
+        chosen = [r.kernel == "sdpa" for r in fused.report.regions if r.kind == "attention"]
+        assert chosen == [expect == "sdpa"] * attention, str(fused.report)
     return fused
+
+
+def _attention_regions(fused):
+    return [r for r in fused.report.regions if r.kind == "attention"]
 
 
 def _qkv(device, b=2, h=3, m=37, n=37, d=16, hkv=None):
@@ -34,11 +43,13 @@ def _qkv(device, b=2, h=3, m=37, n=37, d=16, hkv=None):
             torch.randn(b, hkv or h, n, d, device=device, dtype=dt))
 
 
+@pytest.mark.parametrize("lowering", [True, "triton"])
 @pytest.mark.parametrize("where", ["in_graph", "closure"])
-def test_causal_masked_fill(where, device):
+def test_causal_masked_fill(where, lowering, device):
     """The research-code form Inductor misses: a triangular mask through masked_fill.  Built in the
-    graph from constants, the mask is folded at compile time and known causal (tiles above the
-    diagonal are skipped); a tensor from outside is data, loaded per tile."""
+    graph from constants, the mask is evaluated at compile time and known causal: SDPA's is_causal,
+    or tiles above the diagonal skipped in our kernel.  A tensor from outside is data: SDPA's mask
+    (its rows checked for -inf, as eager gives NaN there), or loaded per tile."""
     torch.manual_seed(0)
     q, k, v = _qkv(device)
     outside = torch.ones(37, 37, device=device, dtype=torch.bool).triu(1)
@@ -49,13 +60,19 @@ def test_causal_masked_fill(where, device):
         s = s.masked_fill(mask, float("-inf"))
         return torch.softmax(s, dim=-1) @ v
 
-    fused = _check(attn, q, k, v)
-    r = [r for r in fused.report.regions if r.kind == "attention"][0]
-    assert r.k > 2 and "attention_fwd" in r.source
-    assert ("causal (offset 0)" in r.source) == (where == "in_graph")
+    fused = _check(attn, q, k, v, lowering=lowering, expect="sdpa" if lowering is True else "triton")
+    (r,) = _attention_regions(fused)
+    assert r.k > 2
+    if lowering is True:
+        assert ("is_causal=True" in r.source) == (where == "in_graph"), r.source
+        assert ("attn_mask=None" in r.source) == (where == "in_graph")
+    else:
+        assert "attention_fwd" in r.source and "attention='triton'" in r.lowering
+        assert ("causal (offset 0)" in r.source) == (where == "in_graph")
 
 
 def test_softcap_alibi_and_padding_with_fully_masked_rows(device):
+    """Soft-capping is not a scale and a mask: our kernel, and the report says why."""
     torch.manual_seed(1)
     q, k, v = _qkv(device, m=29, n=50)
     slopes = torch.tensor([2.0 ** -(i + 1) for i in range(3)], device=device)
@@ -69,7 +86,8 @@ def test_softcap_alibi_and_padding_with_fully_masked_rows(device):
         s = torch.where(keep, s, float("-inf"))
         return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
-    _check(attn, q, k, v)
+    fused = _check(attn, q, k, v, expect="triton")
+    assert "not SDPA: aten.tanh on the scores" in _attention_regions(fused)[0].lowering
 
 
 def test_additive_finfo_min_mask(device):
@@ -82,7 +100,8 @@ def test_additive_finfo_min_mask(device):
     def attn(q, k, v):
         return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + bias, -1) @ v
 
-    _check(attn, q, k, v)
+    fused = _check(attn, q, k, v, expect="sdpa")
+    assert "set to NaN" in _attention_regions(fused)[0].source  # a float input: -inf not ruled out
 
 
 def test_gqa_repeat_kv_is_not_materialised(device):
@@ -94,9 +113,11 @@ def test_gqa_repeat_kv_is_not_materialised(device):
         v = v[:, :, None].expand(2, 2, 2, 37, 16).reshape(2, 4, 37, 16)
         return torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
 
-    fused = _check(attn, q, k, v)
-    (r,) = [r for r in fused.report.regions if r.kind == "attention"]
+    fused = _check(attn, q, k, v, expect="sdpa")
+    (r,) = _attention_regions(fused)
     assert any("[2, 2, 37, 16]" in s for s in r.input_shapes)  # the shared heads, not the repeated copy
+    assert "enable_gqa=True" in r.source
+    fused = _check(attn, q, k, v, lowering="triton", expect="triton")
 
 
 def test_softmax_over_the_wrong_dim_is_not_attention(device):
@@ -139,9 +160,108 @@ def test_hf_eager_attention_is_recognised(name, device):
     fused = fuser.fuse(model)
     with torch.no_grad():
         out, ref = fused(ids, **kw), model(ids, **kw)
+    regions = _attention_regions(fused)
+    assert all(r.kernel == "sdpa" for r in regions), str(fused.report)
     if name == "bert":  # a padding mask is data: never taken for a causal structure
-        assert not any("causal (offset" in r.source for r in fused.report.regions if r.kind == "attention")
+        assert not any("is_causal=True" in r.source for r in regions)
+    else:  # HF's mask where(keep, 0, finfo.min) is finite: no NaN fix-up
+        assert not any("NaN" in r.source for r in regions)
     key = "last_hidden_state" if name == "bert" else "logits"
     tol = dict(atol=1e-3, rtol=1e-3) if device == "cpu" else dict(atol=8e-2, rtol=8e-2)
     torch.testing.assert_close(out[key], ref[key], **tol)
     assert [r.kind for r in fused.report.regions].count("attention") == 2
+
+
+def _pad_mask(device, b, n, fill_row=None):
+    """A key-padding mask [B, 1, 1, N] (True = keep); row `fill_row` entirely padded (every key masked)."""
+    keep = torch.ones(b, 1, 1, n, device=device, dtype=torch.bool)
+    keep[1, ..., n - 7:] = False
+    if fill_row is not None:
+        keep[fill_row] = False
+    return keep
+
+
+# Chains SDPA expresses exactly: scale (before or after the matmul, mul or div), additive masks and
+# biases, masked_fill/where with an absorbing fill, constant shifts, negation.
+SDPA_CHAINS = {
+    "div_then_masked_fill_-inf": lambda s, q, keep, bias: (s / 4.0).masked_fill(~keep, float("-inf")),
+    "where_keep_finfo_min": lambda s, q, keep, bias: torch.where(keep, s * 0.25, torch.finfo(s.dtype).min),
+    "bias_then_scale": lambda s, q, keep, bias: (s + bias) * 0.3,
+    "shift_and_negate": lambda s, q, keep, bias: bias - (-(s * 0.2) + 3.0),
+    "scaled_query": None,  # q * scale before the matmul
+}
+
+
+@pytest.mark.parametrize("chain", list(SDPA_CHAINS))
+def test_sdpa_expressible_chains_match_eager(chain, device):
+    torch.manual_seed(7)
+    q, k, v = _qkv(device, m=29, n=41)
+    keep = _pad_mask(device, 2, 41, fill_row=0)  # batch 0: every key masked, eager gives NaN or a uniform row
+    bias = torch.randn(3, 29, 41, device=device, dtype=q.dtype)
+
+    def attn(q, k, v):
+        if SDPA_CHAINS[chain] is None:
+            s = (q * 0.125) @ k.transpose(-1, -2)
+        else:
+            s = SDPA_CHAINS[chain](q @ k.transpose(-1, -2), q, keep, bias)
+        return torch.softmax(s, -1) @ v
+
+    fused = _check(attn, q, k, v, expect="sdpa")
+    (r,) = _attention_regions(fused)
+    if chain == "where_keep_finfo_min":  # HF's form: finite, no fix-up
+        assert "NaN" not in r.source
+    if chain == "div_then_masked_fill_-inf":
+        assert "set to NaN" in r.source
+
+
+@pytest.mark.parametrize("chain, reason", [
+    ("fill_-1e4", "replaces the score"),
+    ("multiplicative_mask", "multiplicative mask"),
+    ("fp32_bias_on_fp16", "wider than the torch.float16"),
+])
+def test_chains_sdpa_cannot_express_run_our_kernel(chain, reason, device):
+    """A fill that replaces the score (a fully masked row: eager averages uniformly, SDPA would not),
+    a multiplicative mask, a bias SDPA would round: our kernel, with the reason in the report."""
+    torch.manual_seed(8)
+    q, k, v = _qkv(device, m=19, n=33)
+    if chain == "fp32_bias_on_fp16":
+        q, k, v = (x.half() for x in (q, k, v))
+    keep = _pad_mask(device, 2, 33, fill_row=1)
+    bias = torch.randn(2, 3, 19, 33, device=device)
+
+    def attn(q, k, v):
+        s = q @ k.transpose(-1, -2)
+        if chain == "fill_-1e4":
+            s = (s * 0.25).masked_fill(~keep, -1e4)
+        elif chain == "multiplicative_mask":
+            s = s * keep
+        else:
+            s = s.float() * 0.25 + bias
+        return torch.softmax(s, -1).to(q.dtype) @ v
+
+    tol = dict(atol=2e-3, rtol=2e-3) if q.dtype == torch.float16 else TOL[q.dtype]
+    fused = fuser.fuse(attn)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(q, k, v), attn(q, k, v), equal_nan=True, **tol)
+    (r,) = _attention_regions(fused)
+    assert r.kernel != "sdpa" and reason in r.lowering, r.lowering
+
+
+def test_decode_step_causal_mask_becomes_no_mask(device):
+    """One new query over N keys with the causal mask aligned bottom-right (a decode step): every key
+    is visible, so SDPA gets no mask at all; a chunk of 5 queries gets the constant mask."""
+    torch.manual_seed(9)
+    for m in (1, 5):
+        torch._dynamo.reset()  # static sizes: the mask is a constant (symbolic lengths make it data)
+        q, k, v = _qkv(device, m=m, n=40)
+
+        def attn(q, k, v):
+            qi = torch.arange(40 - m, 40, device=q.device)[:, None]
+            ki = torch.arange(40, device=q.device)[None, :]
+            s = (q @ k.transpose(-1, -2)) * 0.25
+            return torch.softmax(s.masked_fill(ki > qi, float("-inf")), -1) @ v
+
+        fused = _check(attn, q, k, v, expect="sdpa")
+        (r,) = _attention_regions(fused)
+        assert ("attn_mask=None" in r.source) == (m == 1), r.source
+        assert "NaN" not in r.source, str(fused.report)  # constant: checked at compile time

@@ -1,0 +1,255 @@
+"""A recognised attention lowered to torch's `scaled_dot_product_attention`, where that is exact.
+
+SDPA (flash, cuDNN, memory-efficient) is faster than our own kernel wherever it can express the
+score chain, and it has a backward.  It computes softmax(a * s + c) @ v for a scale `a` and an
+additive mask `c` (or torch's top-left causal mask).  The checker walks the chain from the scores
+and keeps it in that form:
+
+- `mul`/`div` by a constant number scales both `a` and `c`; `neg` and `x - s` negate them;
+- `add`/`sub` of a tensor or number that does not depend on the scores adds it to `c`;
+- `masked_fill` / `where` with a constant fill replaces the score; that equals adding the fill only
+  when the fill absorbs any score (|fill| >= 1e30 or infinite: finfo.min of bf16/fp32, -inf), so a
+  smaller fill (-1e4, fp16's finfo.min through masked_fill, 0) goes to our own kernel;
+- float casts pass (a widening cast of `c` changes no value and is skipped).
+Anything else (soft-capping, a multiplicative mask) is not expressible: the caller uses our kernel.
+
+`c` is built from the chain's own ops with the scores taken as zero, so it rounds as eager's mask
+did.  SDPA adds it to fp32 scores: where eager rounds `a * s + c` to 16 bits first the two differ by
+that rounding, as all our fused kernels do (numerics policy).  Fully masked rows: eager's softmax of
+an all -inf row is NaN, SDPA's is 0; where `c` may hold -inf (we cannot prove it finite), the rows
+whose every key is -inf are set back to NaN after the call (one small reduction over `c`, shared by
+the attentions that read the same mask).  A mask of constants is evaluated at compile time: torch's
+causal mask becomes `is_causal=True` (no mask read), an all-zero mask none at all.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from fuser.graph import constant_value, meta, operands, real_tensors, shape
+
+aten = torch.ops.aten
+ABSORBING = 1e30  # |fill| at which fp32 a*s + fill == fill for any score below 1e22
+_CASTS = {aten._to_copy, aten.clone, aten.alias}
+_SAFE = {aten.view, aten._unsafe_view, aten.expand, aten.unsqueeze, aten.permute, aten.slice, aten.select,
+         aten.clone, aten.alias, aten.index, aten.squeeze, aten.repeat, aten.cat, aten.embedding,
+         aten.t, aten.transpose}  # layout and gather ops: a value they output was a value of an input
+_COMPARE = {aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_and, aten.logical_or,
+            aten.logical_not, aten.bitwise_and, aten.bitwise_or, aten.bitwise_not, aten.isinf, aten.isnan}
+
+
+class NotExpressible(Exception):
+    """The score chain is not softmax(a * s + c): the reason, for the report."""
+
+
+def _packet(n):
+    return getattr(n.target, "overloadpacket", None) if isinstance(n, fx.Node) else None
+
+
+def _number(x) -> float | None:
+    """A Python number, or the value of a one-element constant node."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, fx.Node) and meta(x) is not None and meta(x).numel() == 1:
+        v = constant_value(x)
+        with real_tensors():
+            return None if v is None else float(v.reshape(()))
+    return None
+
+
+class _Builder:
+    """Inserts nodes before the attention's output, each with its fake tensor; remembers them to undo."""
+
+    def __init__(self, graph: fx.Graph, before: fx.Node):
+        self.graph, self.before, self.made = graph, before, []
+        self.mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+
+    def __call__(self, target, *args, **kwargs) -> fx.Node:
+        with self.graph.inserting_before(self.before):
+            n = self.graph.call_function(target, args, kwargs)
+        self.made.append(n)
+        fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda x: x.meta["val"])
+        with self.mode:
+            n.meta["val"] = target(*fake_args, **fake_kwargs)
+        return n
+
+    def undo(self):
+        for n in reversed(self.made):
+            if not n.users:
+                self.graph.erase_node(n)
+
+
+def _mask(att, build: _Builder) -> tuple[float, fx.Node | None]:
+    """(a, c): the scale and the additive mask (None: zero) of the chain, c built as graph nodes."""
+    a, c = 1.0, None
+    dep = {att.scores}
+    for n in att.chain:
+        if not any(x in dep for x in operands(n)):
+            continue  # a constant of the chain (a fill value): read through _number
+        dep.add(n)
+        p, args = _packet(n), list(n.args)
+        here = [i for i, x in enumerate(args) if x in dep]
+        if len(here) != 1 or any(x in dep for x in n.kwargs.values()):
+            raise NotExpressible(f"{p} reads the scores twice")
+        i, dt = here[0], meta(n).dtype
+        if p in (aten.mul, aten.div):
+            k = _number(args[1 - i])
+            if k is None or (p is aten.div and i != 0) or not math.isfinite(k) or k == 0:
+                raise NotExpressible(f"{p} of the scores by a tensor (a multiplicative mask)")
+            a = a * k if p is aten.mul else a / k
+            c = None if c is None else build(n.target, c, k)
+        elif p in (aten.add, aten.sub, aten.rsub):
+            if n.kwargs.get("alpha", args[2] if len(args) > 2 else 1) != 1:
+                raise NotExpressible(f"{p} with alpha")
+            x = args[1 - i]
+            negated = (p is aten.sub and i == 1) or (p is aten.rsub and i == 0)  # x - scores
+            if not isinstance(x, fx.Node):
+                if not math.isfinite(float(x)):
+                    raise NotExpressible(f"{p} of {x} to every score")
+                if negated:
+                    a, c = -a, (None if c is None else build(aten.neg.default, c))
+                continue  # a constant shift of every score: softmax does not see it
+            if negated:
+                a = -a
+                c = x if c is None else build(aten.sub.Tensor, x, c)
+            elif p is aten.add:
+                c = x if c is None else build(aten.add.Tensor, c, x)
+            else:  # scores - x
+                c = build(aten.neg.default, x) if c is None else build(aten.sub.Tensor, c, x)
+        elif p is aten.neg:
+            a = -a
+            c = None if c is None else build(aten.neg.default, c)
+        elif p in (aten.masked_fill, aten.where):
+            if p is aten.masked_fill:
+                if i != 0:
+                    raise NotExpressible("masked_fill of a mask made from the scores")
+                cond, fill, keep_fill = args[1], _number(args[2]), True
+            else:
+                if i == 0:
+                    raise NotExpressible("where with a condition made from the scores")
+                cond, fill, keep_fill = args[0], _number(args[3 - i]), i == 2
+            if fill is None:
+                raise NotExpressible(f"{p} with a fill that is a tensor")
+            if not (abs(fill) >= ABSORBING or math.isinf(fill)):
+                raise NotExpressible(f"{p} fills {fill:g}, which replaces the score instead of masking it "
+                                     f"(SDPA adds its mask)")
+            base = c if c is not None else build(aten.scalar_tensor.default, 0.0, dtype=dt)
+            filled = build(aten.scalar_tensor.default, fill, dtype=_dtype(base))
+            c = build(aten.where.self, cond, filled, base) if keep_fill else build(aten.where.self, cond, base, filled)
+        elif p in _CASTS:
+            if set(n.kwargs) - {"dtype", "memory_format"} or not dt.is_floating_point:
+                raise NotExpressible(f"{p} to {dt}")
+            if c is not None and _dtype(c) != dt and torch.finfo(dt).bits < torch.finfo(_dtype(c)).bits:
+                c = build(aten._to_copy.default, c, dtype=dt)  # a narrowing cast rounds the mask as eager did
+        else:
+            raise NotExpressible(f"{p} on the scores")
+    return a, c
+
+
+def _dtype(n: fx.Node) -> torch.dtype:
+    return meta(n).dtype
+
+
+def finite(n, depth: int = 0) -> bool:
+    """True where n's values are provably never infinite: bools, ints, finite constants and what
+    layout ops and `where` make of them (HF's `where(keep, 0, finfo.min)`).  Arithmetic may overflow
+    and a parameter may hold anything: not provable."""
+    if isinstance(n, (int, float, bool)):
+        return math.isfinite(n)
+    if not isinstance(n, fx.Node) or depth > 64:
+        return False
+    v = meta(n)
+    if v is not None and not (v.dtype.is_floating_point or v.dtype.is_complex):
+        return True
+    if n.op == "get_attr" or _packet(n) in (aten.full, aten.scalar_tensor):
+        value = constant_value(n)
+        with real_tensors():
+            return value is not None and bool(torch.isfinite(value).all())
+    p = _packet(n)
+    if p in _COMPARE:
+        return True
+    if p is aten.where:
+        return all(finite(x, depth + 1) for x in n.args[1:3])
+    if p is aten._to_copy:
+        src = meta(n.args[0])
+        if src is not None and src.dtype == torch.bool:
+            return True
+        if src is not None and not src.dtype.is_floating_point:  # ints: finite unless the float type is narrow
+            return v is not None and torch.finfo(v.dtype).max > 2.0 ** 64
+        return finite(n.args[0], depth + 1) and v is not None and src is not None and \
+            torch.finfo(v.dtype).max >= torch.finfo(src.dtype).max
+    if p in _SAFE:
+        return all(finite(x, depth + 1) for x in operands(n) if meta(x) is not None and meta(x).dtype.is_floating_point)
+    return False
+
+
+def lower(gm: fx.GraphModule, att, fixups: dict) -> tuple[str, list]:  # att: patterns.attention.Attention
+    """Rewrites `att` in gm's graph as one SDPA call; returns the call as text for the report, and
+    the nodes made.
+    Raises NotExpressible (the graph unchanged) where SDPA cannot compute what eager does.
+    `fixups` maps a mask node to its "row fully -inf" node, shared by the attentions of one graph."""
+    graph = gm.graph
+    q, k, v = att.q, att.k, att.v
+    h, m = shape(q)[1:3]
+    hkv = shape(k)[1]
+    build = _Builder(graph, att.out)
+    try:
+        scale, c = _mask(att, build)
+        causal, value = False, None
+        if c is not None:
+            value = constant_value(c) if m.is_Integer and shape(k)[2].is_Integer else None
+            if value is not None:
+                with real_tensors():
+                    causal, c = _constant_mask(value, int(m), int(shape(k)[2]), c)
+            qdt = meta(q).dtype
+            if c is not None and _dtype(c) != qdt:
+                if not _dtype(c).is_floating_point or torch.finfo(_dtype(c)).bits > torch.finfo(qdt).bits:
+                    raise NotExpressible(f"the additive mask is {_dtype(c)}, wider than the {qdt} attention: "
+                                         "SDPA would round it")
+                c = build(aten._to_copy.default, c, dtype=qdt)
+    except NotExpressible:
+        build.undo()
+        raise
+    gqa = hkv != h
+    kk, vv = k, v
+    if gqa and c is not None:  # SDPA's memory-efficient kernel (the one taking a mask) has no GQA: repeat
+        kk, vv = (build(aten.flatten.using_ints, build(aten.clone.default, build(
+            aten.expand.default, build(aten.unsqueeze.default, x, 2), [-1, -1, h // hkv, -1, -1]),
+            memory_format=torch.contiguous_format), 1, 2) for x in (k, v))
+    kwargs = dict(attn_mask=c, dropout_p=0.0, is_causal=causal, scale=scale)
+    if gqa and c is None:
+        kwargs["enable_gqa"] = True
+    out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
+    text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
+    if gqa:
+        text.append("enable_gqa=True" if c is None else f"K/V heads repeated x{h // hkv} (the masked kernel has no GQA)")
+    if c is not None and value is None and not finite(c):  # a constant mask was checked above
+        if c not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
+            fixups[c] = build(aten.eq.Scalar, build(aten.amax.default, c, [-1], True), float("-inf"))
+        nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype)
+        out = build(aten.where.self, fixups[c], nan, out)
+        text.append("rows whose every key is -inf set to NaN, as eager")
+    att.out.replace_all_uses_with(out)
+    for n in reversed(att.nodes):
+        if not n.users:
+            graph.erase_node(n)
+    return "scaled_dot_product_attention: " + ", ".join(text), build.made
+
+
+def _constant_mask(value: torch.Tensor, m: int, n: int, c: fx.Node):
+    """(is_causal, mask node or None) for a mask known at compile time."""
+    value = value.float()
+    if not bool(value.any()):
+        return False, None
+    full = value.expand(*value.shape[:-2], m, n).reshape(-1, m, n)
+    if bool((full == float("-inf")).all(-1).any()):
+        raise NotExpressible("the constant mask masks every key of some row (eager gives NaN there)")
+    upper = torch.ones(m, n, dtype=torch.bool, device=value.device).triu(1)
+    if bool((full[:, ~upper] == 0).all()) and bool((full[:, upper] <= -ABSORBING).all()):
+        return True, None
+    return False, c
+
+
