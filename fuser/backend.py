@@ -15,6 +15,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .pipeline import compile_graph
+from .pregrad import claim_attention
 from .decompositions import decompositions
 from .runtime import CudaGraphs, EagerCheckError, NotForTheseSizes, cuda_graph_refusal, static_inputs
 from .report import FusionReport
@@ -98,6 +99,7 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
     opts = validate(options)
 
     n_dynamo_inputs = [0]  # of the graph Dynamo gave (set per graph, below)
+    claimed: list[str] = []  # what claim_attention did to the graph being compiled, for its forward's report
 
     def compiler(backward: bool, inference: bool = False):
         def compile_(gm, example_inputs):
@@ -110,6 +112,8 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
                 _fall_back(report, "while compiling", e)
             if backward:
                 report.notes.append("backward graph (from AOT Autograd)")
+            else:
+                report.notes += claimed
             record(report)
             if sink is not None:
                 sink(report, new)
@@ -127,6 +131,9 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
     def backend(gm, example_inputs):
         n_dynamo_inputs[0] = len(example_inputs)
         try:
+            claimed[:] = []
+            if opts["attention"] is True:
+                gm, claimed[:] = claim_attention(gm, example_inputs)
             return aot(gm, example_inputs)
         except (RestartAnalysis, SkipFrame):
             raise  # Dynamo's own control flow (e.g. a 0-d float input made a SymFloat): not a failure

@@ -84,6 +84,13 @@ def _undo_repeat_kv(kv, walked):
     return kv
 
 
+def _swaps_last_two(n) -> bool:
+    """permute(x, [0, 1, 3, 2]) (after AOT Autograd) or transpose(x, -1, -2) (traced before it)."""
+    if _packet(n) is aten.permute:
+        return list(n.args[1]) == [0, 1, 3, 2]
+    return _packet(n) is aten.transpose and sorted(d % 4 for d in n.args[1:3]) == [2, 3]
+
+
 def _softmax_input(p):
     """X when p is the decomposed softmax exp(X - amax(X)) / sum(exp(...)) over the last dim."""
     if _packet(p) is not aten.div or not isinstance(p.args[1], fx.Node):
@@ -183,7 +190,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     chain, extras = found
     q, walked_q = _operand4(qk.args[0], (b, h, m, d))
     kt, walked_k = _operand4(qk.args[1], (b, h, d, n))
-    if q is None or kt is None or _packet(kt) is not aten.permute or list(kt.args[1]) not in ([0, 1, 3, 2],):
+    if q is None or kt is None or not _swaps_last_two(kt):
         return None
     walked_k.append(kt)
     k = _undo_repeat_kv(kt.args[0], walked_k)

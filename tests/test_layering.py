@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     # the pipeline, pairs codegen's source with the runtime; nothing in the package imports it.
     ("api", ("fuser.api", "fuser.attention"), False),
     # Dynamo -> AOT Autograd; the decompositions are part of that stage.
-    ("backend", ("fuser.backend", "fuser.decompositions"), True),
+    ("backend", ("fuser.backend", "fuser.decompositions", "fuser.pregrad"), True),
     ("pipeline", ("fuser.pipeline",), False),
     ("fold, padding", ("fuser.fold", "fuser.padding"), True),
     ("patterns/", ("fuser.patterns", "fuser.patterns.*"), True),

@@ -13,17 +13,17 @@ import fuser
 transformers = pytest.importorskip("transformers")
 
 
-def _models():
+def _models(attn="sdpa"):
     torch.manual_seed(0)
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=101, n_embd=48, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0))
+        attn_pdrop=0.0, attn_implementation=attn, bos_token_id=0, eos_token_id=0))
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attn_implementation="sdpa"))
+        num_key_value_heads=2, attn_implementation=attn))
     bert = transformers.BertModel(transformers.BertConfig(
         vocab_size=101, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation=attn))
     return {"gpt2": gpt2, "llama": llama, "bert": bert}
 
 
@@ -33,9 +33,12 @@ def _loss(name, model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
-def test_gradients_match_eager(name, device):
-    model = _models()[name].to(device)
+def test_gradients_match_eager(name, attn, device):
+    """attn="eager": attention written out by hand is claimed before autograd and runs as SDPA,
+    forward and backward (the forward saves no N x N probabilities)."""
+    model = _models(attn)[name].to(device)
     twin = copy.deepcopy(model)
     ids = torch.randint(0, 101, (2, 29), device=device)
     fused = fuser.fuse(model)
@@ -48,6 +51,8 @@ def test_gradients_match_eager(name, device):
         torch.testing.assert_close(p.grad, q.grad, atol=2e-4, rtol=2e-4, msg=n)
     backward = [r for r in fused.reports if any("backward" in note for note in r.notes)]
     assert backward and backward[0].regions  # the backward graph was fused too
+    claimed = [n for r in fused.reports for n in r.notes if n.startswith("attention claimed before autograd")]
+    assert len(claimed) == (2 if attn == "eager" else 0), [n for r in fused.reports for n in r.notes]
     assert {"reduction", "pointwise"} <= {r.kind for r in backward[0].regions}
 
 
