@@ -1,10 +1,21 @@
-"""Hand-written attention: eager, Inductor, fuser and SDPA (flash) side by side on the GPU.
+"""Hand-written attention through fuser against SDPA, FlexAttention, Inductor and eager, forward and
+forward+backward, on the GPU (bf16).
 
-Each row is attention as research code writes it (matmul, scale, mask, softmax, matmul); SDPA is the
-same attention through `F.scaled_dot_product_attention`, the bar fuser's kernel is held to.  Writes
-bench/results/<gpu>-<date>-attention.{json,md} (or to --out).
+Each row is attention as research code writes it (matmul, scale, score modification, mask, softmax
+in fp32, matmul).  Columns:
+- eager: that code; inductor: torch.compile of it (default mode);
+- sdpa: the same attention through F.scaled_dot_product_attention, with the mask as a tensor where
+  is_causal cannot say it ("—" where SDPA cannot express the row: soft-capping);
+- flex: compiled flex_attention with the equivalent score_mod and block_mask (the block mask made
+  once, outside the timing, as users do);
+- fuser: torch.compile(backend="fuser") of the hand-written code, with the lowering it chose (SDPA
+  or our Triton kernel; in training, attention claimed before autograd or left to its ops);
+- fuser-triton: the same with attention="triton" (our own kernel; forward only: it has no backward).
+ms are do_bench medians; fwd+bwd times one forward and one backward from a fixed output gradient;
+peak MiB is the allocation peak of one fwd+bwd over what was allocated before it.
 
-    python bench/attention_bench.py [--out DIR]
+    python bench/attention_bench.py [--rows 0,1,2] [--out DIR] [--quick]
+    python bench/attention_bench.py --smoke --out /tmp/att   # CPU, tiny shapes: checks the script runs
 """
 import argparse
 import datetime
@@ -20,120 +31,237 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import fuser  # noqa: E402
+from fuser.backend import all_reports  # noqa: E402  (importing fuser registers the backend)
 
 BF16 = torch.bfloat16
+SOFTCAP = 50.0
+WINDOW = 1024
+
+# name, B, Hq, Hkv, S, D, variant; variant: none | causal-graph | causal-buffer | softcap | alibi | window
+ROWS = [
+    ("no mask", 4, 16, 16, 4096, 128, "none"),
+    ("causal, mask tensor", 4, 16, 16, 4096, 128, "causal-buffer"),
+    ("causal, built in the graph", 4, 16, 16, 4096, 128, "causal-graph"),
+    ("tanh soft-cap + causal", 4, 16, 16, 4096, 128, "softcap"),
+    ("ALiBi + causal", 4, 16, 16, 4096, 128, "alibi"),
+    (f"sliding window {WINDOW} (mask tensor)", 4, 16, 16, 4096, 128, "window"),
+    ("D64 S1024 causal", 16, 16, 16, 1024, 64, "causal-graph"),
+    ("GQA 32/8 causal", 4, 32, 8, 2048, 128, "causal-graph"),
+]
 
 
-def hand_written(causal: bool, groups: int):
+def _slopes(h, device):
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device=device)
+
+
+def hand_written(variant, groups, s, device):
+    """The attention as research code writes it; tensors it closes over are data to fuser."""
+    causal_mask = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+    window_mask = causal_mask | torch.ones(s, s, dtype=torch.bool, device=device).tril(-WINDOW)
+
     def attn(q, k, v):
         if groups > 1:  # repeat_kv, as HF writes it
             b, h, n, d = k.shape
             k = k[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
             v = v[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
-        s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-        if causal:
-            m = q.shape[-2]
-            s = s.masked_fill(torch.ones(m, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-        return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v)
+        sc = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        if variant == "softcap":
+            sc = SOFTCAP * torch.tanh(sc / SOFTCAP)
+        if variant == "alibi":
+            pos = torch.arange(s, device=q.device)
+            sc = sc + _slopes(q.shape[1], q.device)[:, None, None] * (pos[None, :] - pos[:, None])
+        if variant in ("causal-graph", "softcap", "alibi"):
+            sc = sc.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        elif variant == "causal-buffer":
+            sc = sc.masked_fill(causal_mask, float("-inf"))
+        elif variant == "window":
+            sc = sc.masked_fill(window_mask, float("-inf"))
+        return torch.matmul(torch.softmax(sc.float(), dim=-1).to(q.dtype), v)
     return attn
 
 
-def sdpa(causal: bool, groups: int):
+def sdpa_version(variant, hq, s, device):
+    """SDPA computing the same, or None where it cannot (soft-capping)."""
+    if variant == "softcap":
+        return None
+    mask = None
+    if variant == "alibi":
+        pos = torch.arange(s, device=device)
+        bias = _slopes(hq, device)[:, None, None] * (pos[None, :] - pos[:, None])
+        mask = bias.masked_fill(torch.ones(s, s, dtype=torch.bool, device=device).triu(1), float("-inf")).to(BF16)
+    elif variant == "window":
+        mask = ~(torch.ones(s, s, dtype=torch.bool, device=device).triu(1) | torch.ones(s, s, dtype=torch.bool, device=device).tril(-WINDOW))
+    causal = variant in ("causal-graph", "causal-buffer")
+
     def attn(q, k, v):
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     return attn
 
 
-ROWS = [  # name, B, Hq, Hkv, S, D, causal
-    ("no mask", 4, 16, 16, 4096, 128, False),
-    ("causal (masked_fill)", 4, 16, 16, 4096, 128, True),
-    ("causal, short", 16, 16, 16, 1024, 64, True),
-    ("GQA 32/8, causal", 4, 32, 8, 2048, 128, True),
-]
+def flex_version(variant, b, hq, s, device):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention)
+    slopes = _slopes(hq, device)
+    causal = lambda b_, h_, q_, k_: q_ >= k_  # noqa: E731
+    mask_mod = {"causal-graph": causal, "causal-buffer": causal, "softcap": causal, "alibi": causal,
+                "window": lambda b_, h_, q_, k_: (q_ >= k_) & (q_ - k_ < WINDOW)}.get(variant)
+    score_mod = {"softcap": lambda sc, b_, h_, q_, k_: SOFTCAP * torch.tanh(sc / SOFTCAP),
+                 "alibi": lambda sc, b_, h_, q_, k_: sc + slopes[h_] * (k_ - q_)}.get(variant)
+    block = create_block_mask(mask_mod, None, None, s, s, device=device) if mask_mod else None
+
+    def attn(q, k, v):
+        return flex(q, k, v, score_mod=score_mod, block_mask=block, enable_gqa=q.shape[1] != k.shape[1])
+    return attn
 
 
-def peak_extra(fn, args):
+def _fwd_bwd(fn, q, k, v, g):
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v).backward(g)
+    return step
+
+
+def _peak(step):
+    if not torch.cuda.is_available():
+        return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fn(*args)
+    step()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def run_row(name, b, hq, hkv, s, d, causal):
-    torch.manual_seed(0)
-    q = torch.randn(b, hq, s, d, device="cuda", dtype=BF16)
-    k = torch.randn(b, hkv, s, d, device="cuda", dtype=BF16)
-    v = torch.randn(b, hkv, s, d, device="cuda", dtype=BF16)
-    groups = hq // hkv
-    eager, ref_fn = hand_written(causal, groups), sdpa(causal, groups)
-    flops = 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
-    row = {"row": name, "shape": f"B{b} H{hq}/{hkv} S{s} D{d}"}
-    with torch.no_grad():
-        ref = ref_fn(q, k, v)
-        t = time.perf_counter()
-        fused = fuser.fuse(eager)
-        out = fused(q, k, v)
+def _sync():
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-        row["fuser_compile_s"] = time.perf_counter() - t
-        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        row["rel_err_vs_sdpa"] = err
-        row["recognised"] = [r.kind for r in fused.report.regions].count("attention")
-        torch._dynamo.reset()
-        inductor = torch.compile(eager)
-        inductor(q, k, v)
-        for label, fn in (("eager", eager), ("inductor", inductor), ("fuser", fused), ("sdpa", ref_fn)):
-            ms = do_bench(lambda fn=fn: fn(q, k, v), warmup=25, rep=100, return_mode="median")
-            row[f"{label}_ms"] = ms
-            row[f"{label}_tflops"] = flops / ms / 1e9
-        if s >= 4096:
-            row["fuser_peak_mib"] = peak_extra(fused, (q, k, v))
-            row["sdpa_peak_mib"] = peak_extra(ref_fn, (q, k, v))
-    row["fuser_vs_sdpa"] = row["sdpa_ms"] / row["fuser_ms"]
-    row["fuser_vs_inductor"] = row["inductor_ms"] / row["fuser_ms"]
+
+
+def _ms(fn):
+    if not torch.cuda.is_available():  # --smoke on CPU: one timed call
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def _lowering(seen):
+    """What fuser did with the attention in the graphs compiled since `seen`."""
+    reports = all_reports()[seen:]
+    att = [r for rep in reports for r in rep.regions if r.kind == "attention"]
+    notes = [n for rep in reports for n in rep.notes if n.startswith("attention ")]
+    if notes:
+        return "; ".join(dict.fromkeys(n.split(":")[0] for n in notes))
+    return ", ".join(dict.fromkeys("sdpa" if r.kernel == "sdpa" else "triton" for r in att)) or "not recognised"
+
+
+def run_row(name, b, hq, hkv, s, d, variant, quick=False, dev="cuda"):
+    torch.manual_seed(0)
+    q = torch.randn(b, hq, s, d, device=dev, dtype=BF16)
+    k = torch.randn(b, hkv, s, d, device=dev, dtype=BF16)
+    v = torch.randn(b, hkv, s, d, device=dev, dtype=BF16)
+    g = torch.randn(b, hq, s, d, device=dev, dtype=BF16)
+    eager = hand_written(variant, hq // hkv, s, dev)
+    row = {"row": name, "shape": f"B{b} H{hq}/{hkv} S{s} D{d}", "variant": variant}
+    systems = {"eager": lambda: eager, "inductor": lambda: torch.compile(eager),
+               "sdpa": lambda: sdpa_version(variant, hq, s, dev), "flex": lambda: flex_version(variant, b, hq, s, dev),
+               "fuser": lambda: torch.compile(eager, backend="fuser"),
+               "fuser-triton": lambda: torch.compile(eager, backend="fuser", options={"attention": "triton"})}
+    if quick:
+        systems.pop("eager")
+    with torch.no_grad():
+        ref = None if quick else eager(q, k, v).float()
+    for label, make in systems.items():
+        for mode in ("fwd", "fwd+bwd"):
+            if mode == "fwd+bwd" and label == "fuser-triton":
+                continue  # our kernel has no backward yet
+            torch._dynamo.reset()
+            seen = len(all_reports())
+            try:
+                fn = make()
+                if fn is None:
+                    continue
+                t0 = time.perf_counter()
+                if mode == "fwd":
+                    with torch.no_grad():
+                        out = fn(q, k, v)
+                        _sync()
+                        row[f"{label}_compile_s"] = time.perf_counter() - t0
+                        if ref is not None:
+                            row[f"{label}_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+                        del out
+                        row[f"{label}_fwd_ms"] = _ms(lambda: fn(q, k, v))
+                else:
+                    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                    step = _fwd_bwd(fn, qq, kk, vv, g)
+                    step()
+                    row[f"{label}_fwd+bwd_ms"] = _ms(step)
+                    row[f"{label}_peak_mib"] = _peak(step)
+                    del qq, kk, vv, step
+                if label.startswith("fuser"):
+                    row[f"{label}_{mode}_lowering"] = _lowering(seen)
+            except Exception as e:  # noqa: BLE001 - one failing cell must not lose the others
+                row[f"{label}_{mode}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return row
 
 
 def table(rows, gpu):
-    head = ("| row | shape | eager ms | inductor ms | fuser ms | SDPA ms | fuser TFLOP/s | fuser/SDPA | "
-            "fuser/Inductor | peak MiB fuser / SDPA | rel. err vs SDPA | recognised |")
-    lines = [f"# fuser attention bench: {gpu}, {datetime.date.today()}", "",
-             f"torch {torch.__version__}; bf16; do_bench medians; ratios are speed ratios (>1: fuser faster).", "",
-             head, "|" + "---|" * (head.count("|") - 1)]
+    systems = ["eager", "inductor", "sdpa", "flex", "fuser", "fuser-triton"]
+    lines = [f"# attention, hand-written: {gpu}, {datetime.date.today()}", "",
+             f"torch {torch.__version__}; bf16; do_bench medians (ms); fwd / fwd+bwd; `—`: not expressible or "
+             "not run; vs best = best library (SDPA or FlexAttention) ms / fuser ms (>1: fuser faster).", "",
+             "| row | shape | " + " | ".join(systems) + " | fuser vs best lib | fuser vs Inductor | peak MiB fwd+bwd fuser / SDPA / flex | fuser's lowering (fwd; fwd+bwd) |",
+             "|" + "---|" * (len(systems) + 6)]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['row']} | {r.get('shape', '')} | error: {r['error']} |")
-            continue
-        peak = f"{r['fuser_peak_mib']:.0f} / {r['sdpa_peak_mib']:.0f}" if "fuser_peak_mib" in r else ""
-        lines.append(f"| {r['row']} | {r['shape']} | {r['eager_ms']:.3f} | {r['inductor_ms']:.3f} | {r['fuser_ms']:.3f} | "
-                     f"{r['sdpa_ms']:.3f} | {r['fuser_tflops']:.0f} | {r['fuser_vs_sdpa']:.2f}× | "
-                     f"{r['fuser_vs_inductor']:.2f}× | {peak} | {r['rel_err_vs_sdpa']:.1e} | {r['recognised']} |")
-    return "\n".join(lines) + "\n"
+        cells = []
+        for sname in systems:
+            f, fb = r.get(f"{sname}_fwd_ms"), r.get(f"{sname}_fwd+bwd_ms")
+            err = r.get(f"{sname}_fwd_error") or r.get(f"{sname}_fwd+bwd_error")
+            cell = f"{f:.3f}" if f else "—"
+            cell += f" / {fb:.3f}" if fb else " / —"
+            cells.append(cell + (" (error)" if err else ""))
+
+        def ratio(key, other):
+            ours, theirs = r.get(f"fuser_{key}_ms"), [r.get(f"{o}_{key}_ms") for o in other]
+            theirs = [t for t in theirs if t]
+            return f"{min(theirs) / ours:.2f}" if ours and theirs else "—"
+        best = f"{ratio('fwd', ['sdpa', 'flex'])} / {ratio('fwd+bwd', ['sdpa', 'flex'])}"
+        ind = f"{ratio('fwd', ['inductor'])} / {ratio('fwd+bwd', ['inductor'])}"
+        peak = " / ".join(f"{r[k]:.0f}" if k in r else "—" for k in ("fuser_peak_mib", "sdpa_peak_mib", "flex_peak_mib"))
+        low = f"{r.get('fuser_fwd_lowering', '?')}; {r.get('fuser_fwd+bwd_lowering', '?')}"
+        lines.append(f"| {r['row']} | {r['shape']} | " + " | ".join(cells) + f" | {best} | {ind} | {peak} | {low} |")
+    errors = [f"- {r['row']}: {k}: {v}" for r in rows for k, v in r.items() if k.endswith("_error")]
+    errs = [f"- {r['row']}: fuser err {r['fuser_err']:.1e}, fuser-triton err {r.get('fuser-triton_err', float('nan')):.1e} "
+            "(||a-b||/||b|| vs eager, fwd)" for r in rows if "fuser_err" in r]
+    return "\n".join(lines + ["", *errs, "", *(["errors:", *errors] if errors else [])]) + "\n"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--rows", help="comma-separated row indices (default: all)")
+    ap.add_argument("--quick", action="store_true", help="no eager column, no error check")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (S=64), one timed call: checks the script")
     args = ap.parse_args()
-    gpu = torch.cuda.get_device_name()
-    rows = []
-    for spec in ROWS:
-        try:
-            rows.append(run_row(*spec))
-        except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
-            rows.append({"row": spec[0], "error": f"{type(e).__name__}: {e}"[:300]})
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
-    md = table(rows, gpu)
+    gpu = "cpu-smoke" if args.smoke else torch.cuda.get_device_name()
+    picked = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
+    if args.smoke:
+        global BF16, WINDOW
+        BF16, WINDOW = torch.float32, 16
+        picked = [(n, 1, h // 8, hkv // 8, 64, 16, var) for n, _, h, hkv, _, _, var in picked]
     stem = Path(args.out) / f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{datetime.date.today()}-attention"
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    stem.with_suffix(".md").write_text(md)
-    print(md)
+    rows = []
+    for spec in picked:
+        print("===", spec[0], flush=True)
+        rows.append(run_row(*spec, quick=args.quick, dev="cpu" if args.smoke else "cuda"))
+        print(rows[-1], flush=True)
+        stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+        stem.with_suffix(".md").write_text(table(rows, gpu))
+    print(table(rows, gpu))
 
 
 if __name__ == "__main__":

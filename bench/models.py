@@ -16,6 +16,13 @@ kernel_ms (GPU time of kernels) and kernels per step.
 
     python bench/models.py [--only gpt2,vit] [--systems fuser,inductor] [--budget 540] [--out DIR]
     python bench/models.py --smoke --out /tmp/smoke   # CPU, tiny configs, 4 systems, perf_counter timing
+    python bench/models.py --train [--only ...]       # training steps: <gpu>-<date>-train.{json,md}
+
+--train measures one training step per cell instead: forward, loss = mean(output^2) in fp32,
+backward and an AdamW step (outside the compiled model, the same for every system), dropout off,
+each system on its own copy of the same weights; err compares the first step's loss with
+eager+sdpa's; peak MiB is over the memory held before the step (weights, gradients, AdamW state).
+Models: all but llama-decode.  Systems: eager, eager+sdpa, inductor, fuser, fuser-eager-attn.
 
 Writes <gpu>-<date>-models.{json,md} after every cell, so a run cut short keeps what it measured.
 """
@@ -46,6 +53,11 @@ BF16 = torch.bfloat16
 TOL = 2e-2
 SYSTEMS = ["eager", "eager+sdpa", "inductor", "inductor-ro", "fuser", "fuser-cg", "fuser-eager-attn"]
 SMOKE_SYSTEMS = ["eager", "eager+sdpa", "fuser", "fuser-eager-attn"]
+TRAIN_SYSTEMS = ["eager", "eager+sdpa", "inductor", "fuser", "fuser-eager-attn"]
+NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+              "bert-padded": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+              "vit": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+              "t5-encoder": dict(dropout_rate=0.0), "llama-gqa": dict(attention_dropout=0.0)}
 MODELS = ["gpt2", "llama-gqa", "bert-padded", "vit", "t5-encoder", "llama-decode"]
 
 
@@ -92,10 +104,13 @@ def _config(name, d):
     raise ValueError(name)
 
 
-def _build(name, d, attn, device, weights=None):
-    """The model with attention `attn` ("sdpa" or "eager"), bf16, eval; weights copied from `weights`.
-    A model that does not support sdpa (T5 in transformers 4.x) is built with eager attention."""
+def _build(name, d, attn, device, weights=None, train=False):
+    """The model with attention `attn` ("sdpa" or "eager"), bf16, eval (train: training mode, dropout
+    off, gradients on); weights copied from `weights`.  A model that does not support sdpa (T5 in
+    transformers 4.x) is built with eager attention."""
     model_cls, config_cls, kwargs = _config(name, d)
+    if train:
+        kwargs.update(NO_DROPOUT.get(name, {}))
     torch.manual_seed(0)
     extra = {"add_pooling_layer": False} if name in ("bert-padded", "vit") else {}
     with torch.device(device):
@@ -103,7 +118,7 @@ def _build(name, d, attn, device, weights=None):
             model = model_cls(config_cls(**kwargs, attn_implementation=attn), **extra)
         except ValueError:  # "does not support an attention implementation through ..."
             model = model_cls(config_cls(**kwargs, attn_implementation="eager"), **extra)
-    model = model.to(BF16).eval().requires_grad_(False)
+    model = model.to(BF16).train(train).requires_grad_(train)
     if weights is not None:
         model.load_state_dict(weights.state_dict())
     return model
@@ -208,6 +223,34 @@ def _prepare(name, d, device, systems):
     return makes, ref, attn
 
 
+def _prepare_train(name, d, device, systems):
+    """Training: ({system: a maker of one step, returning the step's loss}, eager+sdpa's first loss,
+    {system: attention implementation})."""
+    base = _build(name, d, "sdpa", device, train=True)
+    kwargs, out_name = _inputs(name, d, base, device)
+    compilers = {"eager": lambda m: m, "eager+sdpa": lambda m: m, "inductor": torch.compile,
+                 "fuser": lambda m: torch.compile(m, backend="fuser"),
+                 "fuser-eager-attn": lambda m: torch.compile(m, backend="fuser")}
+
+    def maker(system):
+        attn = "eager" if system in ("eager", "fuser-eager-attn") else "sdpa"
+        model = _build(name, d, attn, device, weights=base, train=True)
+        compiled = compilers[system](model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+        def step():
+            loss = getattr(compiled(**kwargs), out_name).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+        return step
+
+    ref = getattr(base(**kwargs), out_name).float().square().mean().detach()
+    attn = {s: "eager" if s in ("eager", "fuser-eager-attn") else base.config._attn_implementation for s in systems}
+    return {s: (lambda s=s: maker(s)) for s in systems}, ref, attn
+
+
 # ---------------------------------------------------------------- measuring one cell
 
 def _sync(device):
@@ -241,12 +284,11 @@ def measure(cell, make, ref, device, smoke):
     fn = make()
     _sync(device)
     start = time.perf_counter()
-    fn()
+    out = fn().detach().clone()  # cloned at once: a CUDA graph's next replay overwrites its output
     _sync(device)
     cell["compile_s"] = time.perf_counter() - start
     for _ in range(3):  # warm-up; reduce-overhead records its CUDA graphs here
         fn()
-    out = fn().detach().clone()  # cloned at once: a CUDA graph's next replay overwrites its output
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     cell.update(err=err, ok=bool(err < TOL))
     del out
@@ -271,9 +313,10 @@ def measure(cell, make, ref, device, smoke):
 
 def run_model(name, args, device, emit):
     d = _dims(args.smoke)
+    grad = torch.enable_grad() if args.train else torch.no_grad()
     try:
-        with torch.no_grad():
-            fns, ref, attn = _prepare(name, d, device, args.systems)
+        with grad:
+            fns, ref, attn = (_prepare_train if args.train else _prepare)(name, d, device, args.systems)
     except Exception as e:  # noqa: BLE001 - a model that cannot be built leaves the others measured
         emit({"model": name, "system": "build", "error": _first_line(e)})
         return
@@ -282,7 +325,7 @@ def run_model(name, args, device, emit):
         cell = {"model": name, "system": system, "attn": attn[system]}
         seen = len(all_reports())
         try:
-            with torch.no_grad(), time_limit(args.limit):
+            with (torch.enable_grad() if args.train else torch.no_grad()), time_limit(args.limit):
                 measure(cell, fns[system], ref, device, args.smoke)
         except Exception as e:  # noqa: BLE001 - one failure must not lose the rest of the table
             cell["error"] = _first_line(e)
@@ -290,6 +333,10 @@ def run_model(name, args, device, emit):
             reports = all_reports()[seen:]
             cell["graphs"] = len(reports)
             cell["fallbacks"] = [f[:200] for r in reports for f in r.all_fallbacks]
+            att = [reg for r in reports for reg in r.regions if reg.kind == "attention"]
+            claimed = sum(n.startswith("attention claimed") for r in reports for n in r.notes)
+            cell["attention"] = (f"{sum(a.kernel == 'sdpa' for a in att)} as SDPA, {sum(a.kernel != 'sdpa' for a in att)} "
+                                 f"as our kernel, {claimed} claimed before autograd")
         emit(cell)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -310,7 +357,9 @@ def _fmt(x, spec):
 def markdown(meta, cells):
     by = {(c["model"], c["system"]): c for c in cells}
     ms = lambda m, s: by.get((m, s), {}).get("ms")  # noqa: E731
-    lines = [f"# whole models: {meta['device']}, {meta['date']}", "",
+    what = ("one training step (forward, mean(output^2), backward, AdamW; err: the first step's loss vs "
+            "eager+sdpa's)" if meta.get("train") else "inference")
+    lines = [f"# whole models, {what}: {meta['device']}, {meta['date']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}"
              f"{'; SMOKE (CPU, tiny configs; ms = median of 3 calls)' if meta['smoke'] else ''}.", "",
              "ms = do_bench median of one step; vs inductor = inductor ms / ms (inductor-ro for reduce-overhead "
@@ -337,9 +386,12 @@ def markdown(meta, cells):
         lines.append(f"| {m} | {shown} | {_fmt(c.get('ms'), '.3f')} | {speed(base)} | {speed(ms(m, 'eager'))} | {ratio} "
                      f"| {_fmt(c.get('kernels'), '.0f')} | {_fmt(c.get('peak_mib'), '.0f')} "
                      f"| {_fmt(c.get('compile_s'), '.1f')} | {err} |")
+    graphs = 2 if meta.get("train") else 1  # training: a forward and a backward graph
     notes = [f"- {c['model']} / {c['system']}: {c['graphs']} graphs" + "".join(f"; fallback: {f}" for f in c["fallbacks"])
-             for c in cells if c.get("graphs", 1) != 1 or c.get("fallbacks")]
-    lines += ["", *(["fuser graph breaks (graphs > 1) and graphs left to eager ATen:", *notes, ""] if notes else [])]
+             for c in cells if c.get("graphs", graphs) != graphs or c.get("fallbacks")]
+    lines += ["", *([f"fuser graph breaks (graphs > {graphs}) and graphs left to eager ATen:", *notes, ""] if notes else [])]
+    found = [f"- {c['model']} / {c['system']}: {c['attention']}" for c in cells if c.get("attention")]
+    lines += ["attention found by fuser (lowered to SDPA or our kernel; in training, claimed before autograd):", *found, ""]
     for ours, theirs in (("fuser", "inductor"), ("fuser-cg", "inductor-ro")):
         pairs = [(ms(m, theirs), ms(m, ours)) for m in dict.fromkeys(c["model"] for c in cells)]
         speedups = [t / o for t, o in pairs if t and o]
@@ -366,16 +418,20 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=540, help="start no new model after this many seconds")
     p.add_argument("--limit", type=int, default=240, help="seconds allowed to one cell (model x system)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny configs, 4 systems, no do_bench/profiler")
+    p.add_argument("--train", action="store_true", help="a training step (forward, backward, AdamW) per cell")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
     start = time.perf_counter()
-    models = args.only.split(",") if args.only else MODELS
-    args.systems = args.systems.split(",") if args.systems else (SMOKE_SYSTEMS if args.smoke else SYSTEMS)
+    models = args.only.split(",") if args.only else [m for m in MODELS if not (args.train and m == "llama-decode")]
+    default = TRAIN_SYSTEMS if args.train else SYSTEMS
+    args.systems = args.systems.split(",") if args.systems else (
+        [s for s in SMOKE_SYSTEMS if s in default] if args.smoke else default)
     for bad in set(models) - set(MODELS) | set(args.systems) - set(SYSTEMS):
         p.error(f"unknown model or system {bad!r}")
     device = torch.device("cpu" if args.smoke else "cuda")
     meta = _meta(device, args.smoke)
-    stem = args.out / f"{meta['slug']}-{meta['date']}-models"
+    meta["train"] = args.train
+    stem = args.out / f"{meta['slug']}-{meta['date']}-{'train' if args.train else 'models'}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     cells = []
 

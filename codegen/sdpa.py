@@ -34,6 +34,7 @@ from fuser.graph import constant_value, meta, operands, real_tensors, shape
 aten = torch.ops.aten
 ABSORBING = 1e30  # |fill| at which fp32 a*s + fill == fill for any score below 1e22
 _CASTS = {aten._to_copy, aten.clone, aten.alias}
+_CAST_KWARGS = {"dtype", "memory_format", "layout", "device", "pin_memory", "non_blocking"}
 _SAFE = {aten.view, aten._unsafe_view, aten.expand, aten.unsqueeze, aten.permute, aten.slice, aten.select,
          aten.clone, aten.alias, aten.index, aten.squeeze, aten.repeat, aten.cat, aten.embedding,
          aten.t, aten.transpose}  # layout and gather ops: a value they output was a value of an input
@@ -140,7 +141,7 @@ def _mask(att, build: _Builder) -> tuple[float, fx.Node | None]:
             filled = build(aten.scalar_tensor.default, fill, dtype=_dtype(base))
             c = build(aten.where.self, cond, filled, base) if keep_fill else build(aten.where.self, cond, base, filled)
         elif p in _CASTS:
-            if set(n.kwargs) - {"dtype", "memory_format"} or not dt.is_floating_point:
+            if set(n.kwargs) - _CAST_KWARGS or not dt.is_floating_point or meta(n).device != meta(args[0]).device:
                 raise NotExpressible(f"{p} to {dt}")
             if c is not None and _dtype(c) != dt and torch.finfo(dt).bits < torch.finfo(_dtype(c)).bits:
                 c = build(aten._to_copy.default, c, dtype=dt)  # a narrowing cast rounds the mask as eager did
