@@ -15,7 +15,9 @@ Anything else (soft-capping, a multiplicative mask) is not expressible: the call
 
 `c` is built from the chain's own ops with the scores taken as zero, so it rounds as eager's mask
 did.  SDPA adds it to fp32 scores: where eager rounds `a * s + c` to 16 bits first the two differ by
-that rounding, as all our fused kernels do (numerics policy).  Fully masked rows: eager's softmax of
+that rounding, as all our fused kernels do (numerics policy).  Finite mask values are clamped to
++-1e36, which still absorbs any score (SDPA's CUDA kernels scale the mask by log2(e): bf16's and
+fp32's finfo.min would overflow to -inf).  Fully masked rows: eager's softmax of
 an all -inf row is NaN, SDPA's is 0; where `c` may hold -inf (we cannot prove it finite), the rows
 whose every key is -inf are set back to NaN after the call (one small reduction over `c`, shared by
 the attentions that read the same mask).  A mask of constants is evaluated at compile time: torch's
@@ -33,6 +35,7 @@ from fuser.graph import constant_value, meta, operands, real_tensors, shape
 
 aten = torch.ops.aten
 ABSORBING = 1e30  # |fill| at which fp32 a*s + fill == fill for any score below 1e22
+SAFE_MASK = 1e36  # past ~2.3e38, SDPA's exp2 scaling (x log2(e)) overflows fp32
 _CASTS = {aten._to_copy, aten.clone, aten.alias}
 _CAST_KWARGS = {"dtype", "memory_format", "layout", "device", "pin_memory", "non_blocking"}
 _SAFE = {aten.view, aten._unsafe_view, aten.expand, aten.unsqueeze, aten.permute, aten.slice, aten.select,
@@ -211,6 +214,9 @@ def lower(gm: fx.GraphModule, att, fixups: dict) -> tuple[str, list]:  # att: pa
                     raise NotExpressible(f"the additive mask is {_dtype(c)}, wider than the {qdt} attention: "
                                          "SDPA would round it")
                 c = build(aten._to_copy.default, c, dtype=qdt)
+            checked = c
+            if c is not None:
+                c = _in_safe_range(build, c, value)
     except NotExpressible:
         build.undo()
         raise
@@ -225,19 +231,37 @@ def lower(gm: fx.GraphModule, att, fixups: dict) -> tuple[str, list]:  # att: pa
         kwargs["enable_gqa"] = True
     out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
+    if c is not None and c is not checked:
+        text.append(f"mask clamped to +-{SAFE_MASK:g} (SDPA's exp2 would overflow finfo.min)")
     if gqa:
         text.append("enable_gqa=True" if c is None else f"K/V heads repeated x{h // hkv} (the masked kernel has no GQA)")
-    if c is not None and value is None and not finite(c):  # a constant mask was checked above
-        if c not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
-            fixups[c] = build(aten.eq.Scalar, build(aten.amax.default, c, [-1], True), float("-inf"))
+    if c is not None and value is None and not finite(checked):  # a constant mask was checked above
+        if checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
+            fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
         nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype)
-        out = build(aten.where.self, fixups[c], nan, out)
+        out = build(aten.where.self, fixups[checked], nan, out)
         text.append("rows whose every key is -inf set to NaN, as eager")
     att.out.replace_all_uses_with(out)
     for n in reversed(att.nodes):
         if not n.users:
             graph.erase_node(n)
     return "scaled_dot_product_attention: " + ", ".join(text), build.made
+
+
+def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:
+    """c with its finite values clamped to +-SAFE_MASK.  SDPA's CUDA kernels run the softmax in base 2
+    and multiply the mask by log2(e): a finfo.min of bf16 or fp32 (HF's masks) overflows to -inf
+    there, and a row masked entirely by it gives 0 instead of eager's uniform average.  Any value past
+    1e30 absorbs the scores the same, so the clamp changes nothing else; -inf stays -inf."""
+    if torch.finfo(_dtype(c)).max <= SAFE_MASK:
+        return c
+    if value is not None:
+        with real_tensors():
+            v = value.float()
+            if not bool((v[v.isfinite()].abs() > SAFE_MASK).any()):
+                return c
+    clamped = build(aten.clamp.default, c, -SAFE_MASK, SAFE_MASK)
+    return build(aten.where.self, build(aten.isinf.default, c), c, clamped)
 
 
 def _constant_mask(value: torch.Tensor, m: int, n: int, c: fx.Node):
