@@ -5,7 +5,8 @@ score chain, and it has a backward.  It computes softmax(a * s + c) @ v for a sc
 additive mask `c` (or torch's top-left causal mask).  The checker walks the chain from the scores
 and keeps it in that form:
 
-- `mul`/`div` by a constant number scales both `a` and `c`; `neg` and `x - s` negate them;
+- `mul`/`div` by a constant number scales both `a` and `c`; `neg` and `x - s` negate them; by a
+  one-element tensor (a float Dynamo made an input) it scales `c` and q instead;
 - `add`/`sub` of a tensor or number that does not depend on the scores adds it to `c`;
 - `masked_fill` / `where` with a constant fill replaces the score; that equals adding the fill only
   when the fill absorbs any score (|fill| >= 1e30 or infinite: finfo.min of bf16/fp32, -inf), so a
@@ -86,9 +87,10 @@ class _Builder:
                 self.graph.erase_node(n)
 
 
-def _mask(att, build: _Builder) -> tuple[float, fx.Node | None]:
-    """(a, c): the scale and the additive mask (None: zero) of the chain, c built as graph nodes."""
-    a, c = 1.0, None
+def _mask(att, build: _Builder) -> tuple[float, fx.Node | None, list]:
+    """(a, c, factors): the scale and the additive mask (None: zero) of the chain, c built as graph
+    nodes, and the one-element tensors the scores are multiplied or divided by (applied to q)."""
+    a, c, factors = 1.0, None, []
     dep = {att.scores}
     for n in att.chain:
         if not any(x in dep for x in operands(n)):
@@ -100,8 +102,15 @@ def _mask(att, build: _Builder) -> tuple[float, fx.Node | None]:
             raise NotExpressible(f"{p} reads the scores twice")
         i, dt = here[0], meta(n).dtype
         if p in (aten.mul, aten.div):
-            k = _number(args[1 - i])
-            if k is None or (p is aten.div and i != 0) or not math.isfinite(k) or k == 0:
+            other = args[1 - i]
+            if p is aten.div and i != 0:
+                raise NotExpressible("a tensor divided by the scores")
+            k = _number(other)
+            if k is None and isinstance(other, fx.Node) and meta(other) is not None and meta(other).numel() == 1:
+                factors.append((n.target, other))  # a scale known at run time only (Dynamo's unspecialised float)
+                c = None if c is None else build(n.target, c, other)
+                continue
+            if k is None or not math.isfinite(k) or k == 0:
                 raise NotExpressible(f"{p} of the scores by a tensor (a multiplicative mask)")
             a = a * k if p is aten.mul else a / k
             c = None if c is None else build(n.target, c, k)
@@ -150,7 +159,7 @@ def _mask(att, build: _Builder) -> tuple[float, fx.Node | None]:
                 c = build(aten._to_copy.default, c, dtype=dt)  # a narrowing cast rounds the mask as eager did
         else:
             raise NotExpressible(f"{p} on the scores")
-    return a, c
+    return a, c, factors
 
 
 def _dtype(n: fx.Node) -> torch.dtype:
@@ -194,14 +203,15 @@ def lower(gm: fx.GraphModule, att, fixups: dict) -> tuple[str, list]:  # att: pa
     """Rewrites `att` in gm's graph as one SDPA call; returns the call as text for the report, and
     the nodes made.
     Raises NotExpressible (the graph unchanged) where SDPA cannot compute what eager does.
-    `fixups` maps a mask node to its "row fully -inf" node, shared by the attentions of one graph."""
+    `fixups` holds, per mask node, its clamped copy and its "row fully -inf" node, shared by the
+    attentions of one graph."""
     graph = gm.graph
     q, k, v = att.q, att.k, att.v
     h, m = shape(q)[1:3]
     hkv = shape(k)[1]
     build = _Builder(graph, att.out)
     try:
-        scale, c = _mask(att, build)
+        scale, c, factors = _mask(att, build)
         causal, value = False, None
         if c is not None:
             value = constant_value(c) if m.is_Integer and shape(k)[2].is_Integer else None
@@ -215,8 +225,10 @@ def lower(gm: fx.GraphModule, att, fixups: dict) -> tuple[str, list]:  # att: pa
                                          "SDPA would round it")
                 c = build(aten._to_copy.default, c, dtype=qdt)
             checked = c
-            if c is not None:
-                c = _in_safe_range(build, c, value)
+            if c is not None:  # shared by the attentions reading the same mask (T5's position bias)
+                if ("clamped", checked) not in fixups:
+                    fixups[("clamped", checked)] = _in_safe_range(build, c, value)
+                c = fixups[("clamped", checked)]
     except NotExpressible:
         build.undo()
         raise
@@ -229,10 +241,14 @@ def lower(gm: fx.GraphModule, att, fixups: dict) -> tuple[str, list]:  # att: pa
     kwargs = dict(attn_mask=c, dropout_p=0.0, is_causal=causal, scale=scale)
     if gqa and c is None:
         kwargs["enable_gqa"] = True
+    for op, factor in factors:  # (q * f) @ k^T == (q @ k^T) * f; q rounds where eager rounded the scores
+        q = build(op, q, factor)
     out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
     if c is not None and c is not checked:
         text.append(f"mask clamped to +-{SAFE_MASK:g} (SDPA's exp2 would overflow finfo.min)")
+    if factors:
+        text.append(f"q scaled by {', '.join(f.name for _, f in factors)} (a scale given at run time)")
     if gqa:
         text.append("enable_gqa=True" if c is None else f"K/V heads repeated x{h // hkv} (the masked kernel has no GQA)")
     if c is not None and value is None and not finite(checked):  # a constant mask was checked above

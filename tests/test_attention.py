@@ -265,3 +265,23 @@ def test_decode_step_causal_mask_becomes_no_mask(device):
         (r,) = _attention_regions(fused)
         assert ("attn_mask=None" in r.source) == (m == 1), r.source
         assert "NaN" not in r.source, str(fused.report)  # constant: checked at compile time
+
+
+def test_symbolic_lengths_and_a_scale_given_at_run_time(device):
+    """dynamic=True: lengths are symbols and Dynamo passes the module's float scale as an input
+    tensor; SDPA still takes the attention (the scale multiplies q), at every length."""
+    torch.manual_seed(10)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="eager")).to(device, _dtype(device)).eval()
+    fused = fuser.fuse(model, dynamic=True)
+    tol = dict(atol=1e-4, rtol=1e-4) if device == "cpu" else dict(atol=8e-2, rtol=8e-2)
+    with torch.no_grad():
+        for t in (13, 29):
+            ids = torch.randint(0, 97, (2, t), device=device)
+            mask = torch.ones(2, t, dtype=torch.long, device=device)
+            mask[1, :5] = 0  # left padding
+            torch.testing.assert_close(fused(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, **tol)
+    regions = _attention_regions(fused)
+    assert regions and all(r.kernel == "sdpa" for r in regions), [r.lowering for r in regions]
+    assert any(r.symbolic for r in regions)
