@@ -133,7 +133,7 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
         try:
             claimed[:] = []
             if opts["attention"] is True:
-                gm, claimed[:] = claim_attention(gm, example_inputs)
+                gm, claimed[:] = _claimed(gm, example_inputs)
             return aot(gm, example_inputs)
         except (RestartAnalysis, SkipFrame):
             raise  # Dynamo's own control flow (e.g. a 0-d float input made a SymFloat): not a failure
@@ -145,6 +145,15 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
                 sink(report, gm)
             return GraphRunner(gm.forward, gm.forward, report, ran)
     return backend
+
+
+def _claimed(gm, example_inputs):
+    """claim_attention, or Dynamo's graph as given (with the reason) where the trace it makes fails."""
+    try:
+        return claim_attention(gm, example_inputs)
+    except Exception as e:  # noqa: BLE001 - a failure here must cost the claim, not the graph
+        log.warning("fuser: attention in training left to its ops: %s: %s", type(e).__name__, e)
+        return gm, [f"attention in training left to its ops: the trace before autograd failed: {type(e).__name__}: {e}"[:300]]
 
 
 def _cuda_graphed(run, gm, example_inputs, report: FusionReport, backward: bool, inference: bool,
