@@ -31,6 +31,7 @@ import math
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fuser.graph import constant_value, meta, operands, real_tensors, shape
 
@@ -70,7 +71,9 @@ class _Builder:
 
     def __init__(self, graph: fx.Graph, before: fx.Node):
         self.graph, self.before, self.made = graph, before, []
-        self.mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+        vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+        # the graph's own fake mode (before AOT Autograd, Dynamo's: not the tracing context's)
+        self.mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None) or detect_fake_mode(vals)
 
     def __call__(self, target, *args, **kwargs) -> fx.Node:
         with self.graph.inserting_before(self.before):

@@ -9,8 +9,8 @@ is rewritten as one SDPA call (codegen/sdpa.py), and that graph is what AOT Auto
 derivative gives the flash/memory-efficient backward, and the forward saves O(N) (the log-sum-exp),
 not the scores.  Where nothing is claimed, Dynamo's graph goes to AOT Autograd untouched.
 
-Left alone (the reason goes to the report): symbolic sizes (the trace here is static), graphs that
-hold parameters as attributes (a trace would make them constants), and graphs whose meaning a plain
+The trace runs on Dynamo's own fake inputs, so symbolic sizes stay symbolic.  Left alone (the
+reason goes to the report): graphs that hold parameters as attributes (a trace would make them constants), and graphs whose meaning a plain
 trace loses: autograd.Function and other higher-order ops, autocast on around the call (AOT would
 apply it again to the traced casts), gradients switched off around a value that needs them.
 Autocast switched inside the graph is kept: the trace records the casts it makes.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -39,8 +38,9 @@ def _refusal(gm: fx.GraphModule, example_inputs) -> str | None:
     """Why this graph is not traced here, or None."""
     if not any("softmax" in str(n.target) for n in gm.graph.nodes):
         return ""  # no attention to claim: nothing to say
-    if not all(isinstance(x, torch.Tensor) for x in example_inputs):
-        return "symbolic sizes (attention in training is claimed at static sizes only)"
+    values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    if not any(isinstance(v, FakeTensor) for v in values) or any(v is None for v in values):
+        return "Dynamo's graph carries no fake inputs to trace with"
     if any(True for _ in gm.parameters()):
         return "the graph holds parameters as attributes"
     if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
@@ -79,10 +79,11 @@ def claim_attention(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule,
     why = _refusal(gm, example_inputs)
     if why is not None:
         return gm, [f"attention in training left to its ops: {why}"] if why else []
-    mode = detect_fake_mode(example_inputs)
+    # Dynamo's own fake inputs (sizes symbolic where they vary): the trace keeps the size arithmetic
+    values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = next(v.fake_mode for v in values if isinstance(v, FakeTensor))
     with mode:
-        fakes = [x if isinstance(x, FakeTensor) else mode.from_tensor(x, static_shapes=True) for x in example_inputs]
-        traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax]))(*fakes)
+        traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax]))(*values)
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
     cg = ComputeGraph(traced.graph)
     notes, fixups = [], {}
