@@ -27,6 +27,8 @@ causal mask becomes `is_causal=True` (no mask read), an all-zero mask none at al
 from __future__ import annotations
 
 import math
+import uuid
+import weakref
 
 import torch
 import torch.fx as fx
@@ -202,12 +204,13 @@ def finite(n, depth: int = 0) -> bool:
     return False
 
 
-def lower(gm: fx.GraphModule, att, fixups: dict) -> tuple[str, list]:  # att: patterns.attention.Attention
+def lower(gm: fx.GraphModule, att, fixups: dict, run_time_checks: bool = False) -> tuple[str, list]:  # att: patterns.attention.Attention
     """Rewrites `att` in gm's graph as one SDPA call; returns the call as text for the report, and
     the nodes made.
     Raises NotExpressible (the graph unchanged) where SDPA cannot compute what eager does.
     `fixups` holds, per mask node, its clamped copy and its "row fully -inf" node, shared by the
-    attentions of one graph."""
+    attentions of one graph.  `run_time_checks`: a mask computed from inputs may be recognised as
+    torch's causal mask at run time (causal_or_masked; not where CUDA graphs replay the calls)."""
     graph = gm.graph
     q, k, v = att.q, att.k, att.v
     h, m = shape(q)[1:3]
@@ -236,8 +239,9 @@ def lower(gm: fx.GraphModule, att, fixups: dict) -> tuple[str, list]:  # att: pa
         build.undo()
         raise
     gqa = hkv != h
+    sources = _sources(checked) if c is not None and value is None and run_time_checks else []
     kk, vv = k, v
-    if gqa and c is not None:  # SDPA's memory-efficient kernel (the one taking a mask) has no GQA: repeat
+    if gqa and c is not None and not sources:  # SDPA's memory-efficient kernel (the one taking a mask) has no GQA: repeat
         kk, vv = (build(aten.flatten.using_ints, build(aten.clone.default, build(
             aten.expand.default, build(aten.unsqueeze.default, x, 2), [-1, -1, h // hkv, -1, -1]),
             memory_format=torch.contiguous_format), 1, 2) for x in (k, v))
@@ -246,14 +250,21 @@ def lower(gm: fx.GraphModule, att, fixups: dict) -> tuple[str, list]:  # att: pa
         kwargs["enable_gqa"] = True
     for op, factor in factors:  # (q * f) @ k^T == (q @ k^T) * f; q rounds where eager rounded the scores
         q = build(op, q, factor)
-    out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
+    if sources:
+        out = build(causal_or_masked, q, k, v, c, *sources, key=uuid.uuid4().hex, scale=scale)
+    else:
+        out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
     if c is not None and c is not checked:
         text.append(f"mask clamped to +-{SAFE_MASK:g} (SDPA's exp2 would overflow finfo.min)")
     if factors:
         text.append(f"q scaled by {', '.join(f.name for _, f in factors)} (a scale given at run time)")
+    if sources:
+        text.append(f"the mask (from {', '.join(x.name for x in sources)}) checked at run time for torch's "
+                    "causal mask (then is_causal, no mask read), once per new value of its inputs")
     if gqa:
-        text.append("enable_gqa=True" if c is None else f"K/V heads repeated x{h // hkv} (the masked kernel has no GQA)")
+        text.append("enable_gqa=True" if c is None or sources else
+                    f"K/V heads repeated x{h // hkv} (the masked kernel has no GQA)")
     if c is not None and value is None and not finite(checked):  # a constant mask was checked above
         if checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
             fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
@@ -281,6 +292,55 @@ def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:
                 return c
     clamped = build(aten.clamp.default, c, -SAFE_MASK, SAFE_MASK)
     return build(aten.where.self, build(aten.isinf.default, c), c, clamped)
+
+
+def _sources(mask: fx.Node) -> list:
+    """The graph inputs a mask is computed from, or [] where it also draws random numbers."""
+    seen, todo, found = set(), [mask], []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if meta(n) is None:
+                return []  # a size: the mask's shape varies
+            found.append(n)
+        elif n.op == "call_function":
+            if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
+                return []
+            todo += n.all_input_nodes
+    return sorted(found, key=lambda n: n.name)
+
+
+_DECIDED: dict[str, list] = {}  # key of a lowered attention -> [weak refs and versions of its inputs, causal?, rechecks]
+RECHECKS = 3  # inputs that are new tensors every call: checked this many times, then the mask is used as given
+
+
+def causal_or_masked(q, k, v, mask, *sources, key: str, scale: float):
+    """SDPA over a mask computed from data (a buffer, an input).  Where the mask is torch's causal mask
+    (0 on and below the diagonal, <= -1e30 above), SDPA runs with is_causal=True: the flash kernel,
+    no mask read, half the tiles.  The check (one comparison and a host sync) runs again only when
+    an input the mask is made from is another tensor or was written in place (its version), at most
+    RECHECKS times: a mask made from a new tensor every call (a padding mask) is then used as given."""
+    gqa = q.shape[1] != k.shape[1]
+    if not isinstance(q, FakeTensor):
+        seen = _DECIDED.get(key)
+        same = seen is not None and all(r() is x and ver == x._version for (r, ver), x in zip(seen[0], sources))
+        if not same and (seen is None or seen[2] < RECHECKS):
+            stamp = [(weakref.ref(x), x._version) for x in sources]
+            seen = _DECIDED[key] = [stamp, _is_causal(mask, q.shape[2], k.shape[2]), 0 if seen is None else seen[2] + 1]
+            same = True
+        if same and seen[1]:
+            return aten.scaled_dot_product_attention.default(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if gqa:  # the memory-efficient kernel (the one taking a mask) has no GQA
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
+    return aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _is_causal(mask: torch.Tensor, m: int, n: int) -> bool:
+    upper = torch.ones(m, n, dtype=torch.bool, device=mask.device).triu(1)
+    return bool(torch.where(upper, mask <= -ABSORBING, mask == 0).all())
 
 
 def _constant_mask(value: torch.Tensor, m: int, n: int, c: fx.Node):

@@ -105,7 +105,8 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
         def compile_(gm, example_inputs):
             index = len(_reports)
             try:
-                new, report = compile_graph(gm, graph_index=index, attention=opts["attention"] if not backward else False)
+                new, report = compile_graph(gm, graph_index=index, attention=opts["attention"] if not backward else False,
+                                            cuda_graphs=opts["cuda_graphs"])
                 report.graph = index
             except Exception as e:
                 new, report = gm, FusionReport(graph=index)

@@ -39,14 +39,16 @@ def _describe(n) -> str:
     return f"{list(v.shape)} {str(v.dtype).replace('torch.', '')}" if isinstance(v, torch.Tensor) else "?"
 
 
-def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | str = True) -> tuple[fx.GraphModule, FusionReport]:
+def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | str = True,
+                  cuda_graphs: bool = False) -> tuple[fx.GraphModule, FusionReport]:
     """Recognise attention, partition the rest, emit a kernel per region, rewrite.  What cannot be
     emitted stays eager, with the reason.  `attention`: True lowers each attention to SDPA where
-    that is exact and to our kernel elsewhere, "triton" always to our kernel, False leaves it."""
+    that is exact and to our kernel elsewhere, "triton" always to our kernel, False leaves it.
+    `cuda_graphs`: the graph will be replayed, so no lowering may decide anything at run time."""
     folded = fold_constants(gm)
     padded = pad_matmuls(gm)
     report = FusionReport()
-    not_sdpa, lowered = _lower_to_sdpa(gm, graph_index, report) if attention is True else ({}, set())
+    not_sdpa, lowered = _lower_to_sdpa(gm, graph_index, report, not cuda_graphs) if attention is True else ({}, set())
     cg = ComputeGraph(gm.graph)
     attentions = find(gm.graph, cg) if attention else []
     taken = {n for a in attentions for n in a.nodes}
@@ -110,7 +112,7 @@ def _attention_kernel(att, cg, name: str) -> AttentionKernel:
                            meta(att.out).dtype, "score mod: " + "; ".join(mod.lines))
 
 
-def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport) -> dict:
+def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, run_time_checks: bool) -> dict:
     """Each attention SDPA can compute exactly becomes one SDPA call (codegen/sdpa.py), reported as
     a region; returns {output node: why not} for the others, which go to our own kernel, and the
     SDPA calls made (not listed as left to eager: they are the lowering)."""
@@ -121,14 +123,14 @@ def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport) -
         try:
             with target(meta(a.q).device.type):
                 entry = _attention_report(a, cg, "sdpa", "", graph_index, len(report.regions), hints, "")
-                text, made = sdpa.lower(gm, a, fixups)
+                text, made = sdpa.lower(gm, a, fixups, run_time_checks)
         except sdpa.NotExpressible as e:
             why[a.out] = str(e)
             continue
         entry.source, entry.lowering = text, "sdpa (the score chain is a scale and an additive mask)"
         report.regions.append(entry)
         changed += made
-        calls.update(n for n in made if n.target is aten.scaled_dot_product_attention.default)
+        calls.update(n for n in made if n.target in (aten.scaled_dot_product_attention.default, sdpa.causal_or_masked))
         log.debug("attention %s lowered to %s", a.out.name, text)
     if changed:
         gm.graph.eliminate_dead_code()  # a mask that became is_causal, the eager masks no attention reads now

@@ -285,3 +285,55 @@ def test_symbolic_lengths_and_a_scale_given_at_run_time(device):
     regions = _attention_regions(fused)
     assert regions and all(r.kernel == "sdpa" for r in regions), [r.lowering for r in regions]
     assert any(r.symbolic for r in regions)
+
+
+class _BufferMasked(torch.nn.Module):
+    """nanoGPT's form: the causal mask a buffer, sliced to the length and compared."""
+
+    def __init__(self, n, device):
+        super().__init__()
+        self.register_buffer("bias", torch.ones(n, n, device=device).tril()[None, None])
+
+    def forward(self, q, k, v):
+        t = q.shape[-2]
+        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        s = s.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+
+def test_a_causal_mask_in_a_buffer_is_recognised_at_run_time(device):
+    """The mask is data (a buffer), so SDPA gets it as a tensor; at run time it is found to be torch's
+    causal mask and SDPA runs with is_causal=True.  Written in place (its version changes) it is
+    checked again: a window mask is then applied as given, and the output still equals eager's."""
+    from fuser.codegen import sdpa
+    torch.manual_seed(13)
+    model = _BufferMasked(40, device)
+    q, k, v = _qkv(device, m=33, n=33)
+    fused = fuser.fuse(model)
+    calls = []
+    real = sdpa._is_causal
+    sdpa._is_causal = lambda *a: calls.append(real(*a)) or calls[-1]
+    try:
+        with torch.no_grad():
+            for step in range(4):
+                if step == 2:
+                    model.bias.tril_(-3).add_(torch.ones_like(model.bias).tril(-40))  # no longer causal
+                torch.testing.assert_close(fused(q, k, v), model(q, k, v), equal_nan=True, **TOL[q.dtype])
+    finally:
+        sdpa._is_causal = real
+    assert calls == [True, False], calls  # checked once per value of the buffer, not per call
+    (r,) = _attention_regions(fused)
+    assert "checked at run time" in r.source and r.kernel == "sdpa"
+
+
+def test_no_run_time_check_under_cuda_graphs(device):
+    """A replayed CUDA graph cannot branch on a value: the mask is then always applied as given."""
+    torch.manual_seed(14)
+    model = _BufferMasked(40, device)
+    q, k, v = _qkv(device, m=33, n=33)
+    fused = fuser.fuse(model, cuda_graphs=True)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(fused(q, k, v), model(q, k, v), equal_nan=True, **TOL[q.dtype])
+    (r,) = _attention_regions(fused)
+    assert r.kernel == "sdpa" and "checked at run time" not in r.source
