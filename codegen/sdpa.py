@@ -40,7 +40,7 @@ from fuser.graph import constant_value, meta, operands, real_tensors, shape
 aten = torch.ops.aten
 ABSORBING = 1e30  # |fill| at which fp32 a*s + fill == fill for any score below 1e22
 SAFE_MASK = 1e36  # past ~2.3e38, SDPA's exp2 scaling (x log2(e)) overflows fp32
-_CASTS = {aten._to_copy, aten.clone, aten.alias}
+_CASTS = {aten._to_copy, aten.clone, aten.alias, torch.ops.prims.convert_element_type}
 _CAST_KWARGS = {"dtype", "memory_format", "layout", "device", "pin_memory", "non_blocking"}
 _SAFE = {aten.view, aten._unsafe_view, aten.expand, aten.unsqueeze, aten.permute, aten.slice, aten.select,
          aten.clone, aten.alias, aten.index, aten.squeeze, aten.repeat, aten.cat, aten.embedding,
@@ -218,7 +218,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, run_time_checks: bool = False) 
     build = _Builder(graph, att.out)
     try:
         scale, c, factors = _mask(att, build)
-        causal, value = False, None
+        causal, value, checked, sources = False, None, None, []
         if c is not None:
             value = constant_value(c) if m.is_Integer and shape(k)[2].is_Integer else None
             if value is not None:
@@ -231,7 +231,8 @@ def lower(gm: fx.GraphModule, att, fixups: dict, run_time_checks: bool = False) 
                                          "SDPA would round it")
                 c = build(aten._to_copy.default, c, dtype=qdt)
             checked = c
-            if c is not None:  # shared by the attentions reading the same mask (T5's position bias)
+            sources = _sources(checked) if c is not None and value is None and run_time_checks else []
+            if c is not None and not sources:  # shared by the attentions reading the same mask (T5's position bias)
                 if ("clamped", checked) not in fixups:
                     fixups[("clamped", checked)] = _in_safe_range(build, c, value)
                 c = fixups[("clamped", checked)]
@@ -239,7 +240,6 @@ def lower(gm: fx.GraphModule, att, fixups: dict, run_time_checks: bool = False) 
         build.undo()
         raise
     gqa = hkv != h
-    sources = _sources(checked) if c is not None and value is None and run_time_checks else []
     kk, vv = k, v
     if gqa and c is not None and not sources:  # SDPA's memory-efficient kernel (the one taking a mask) has no GQA: repeat
         kk, vv = (build(aten.flatten.using_ints, build(aten.clone.default, build(
@@ -250,8 +250,9 @@ def lower(gm: fx.GraphModule, att, fixups: dict, run_time_checks: bool = False) 
         kwargs["enable_gqa"] = True
     for op, factor in factors:  # (q * f) @ k^T == (q @ k^T) * f; q rounds where eager rounded the scores
         q = build(op, q, factor)
-    if sources:
-        out = build(causal_or_masked, q, k, v, c, *sources, key=uuid.uuid4().hex, scale=scale)
+    fix_rows = c is not None and value is None and not finite(checked)  # a constant mask was checked above
+    if sources:  # the clamp and the -inf row check happen inside, where the mask is used
+        out = build(causal_or_masked, q, k, v, c, *sources, key=uuid.uuid4().hex, scale=scale, nan_rows=fix_rows)
     else:
         out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
@@ -265,11 +266,12 @@ def lower(gm: fx.GraphModule, att, fixups: dict, run_time_checks: bool = False) 
     if gqa:
         text.append("enable_gqa=True" if c is None or sources else
                     f"K/V heads repeated x{h // hkv} (the masked kernel has no GQA)")
-    if c is not None and value is None and not finite(checked):  # a constant mask was checked above
+    if fix_rows and not sources:
         if checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
             fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
         nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype)
         out = build(aten.where.self, fixups[checked], nan, out)
+    if fix_rows:
         text.append("rows whose every key is -inf set to NaN, as eager")
     att.out.replace_all_uses_with(out)
     for n in reversed(att.nodes):
@@ -317,12 +319,13 @@ _DECIDED: dict[str, list] = {}  # key of a lowered attention -> [weak refs and v
 RECHECKS = 3  # inputs that are new tensors every call: checked this many times, then the mask is used as given
 
 
-def causal_or_masked(q, k, v, mask, *sources, key: str, scale: float):
+def causal_or_masked(q, k, v, mask, *sources, key: str, scale: float, nan_rows: bool):
     """SDPA over a mask computed from data (a buffer, an input).  Where the mask is torch's causal mask
     (0 on and below the diagonal, <= -1e30 above), SDPA runs with is_causal=True: the flash kernel,
     no mask read, half the tiles.  The check (one comparison and a host sync) runs again only when
     an input the mask is made from is another tensor or was written in place (its version), at most
-    RECHECKS times: a mask made from a new tensor every call (a padding mask) is then used as given."""
+    RECHECKS times: a mask made from a new tensor every call (a padding mask) is then used as given,
+    clamped (_in_safe_range) and, with `nan_rows`, its rows of -inf giving NaN as eager's do."""
     gqa = q.shape[1] != k.shape[1]
     if not isinstance(q, FakeTensor):
         seen = _DECIDED.get(key)
@@ -335,7 +338,13 @@ def causal_or_masked(q, k, v, mask, *sources, key: str, scale: float):
             return aten.scaled_dot_product_attention.default(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if gqa:  # the memory-efficient kernel (the one taking a mask) has no GQA
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
-    return aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=scale)
+    safe = mask
+    if torch.finfo(mask.dtype).max > SAFE_MASK:
+        safe = torch.where(mask.isinf(), mask, mask.clamp(-SAFE_MASK, SAFE_MASK))
+    out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask=safe, scale=scale)
+    if nan_rows:
+        out = torch.where(mask.amax(-1, keepdim=True) == float("-inf"), float("nan"), out)
+    return out
 
 
 def _is_causal(mask: torch.Tensor, m: int, n: int) -> bool:

@@ -50,7 +50,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     report = FusionReport()
     not_sdpa, lowered = _lower_to_sdpa(gm, graph_index, report, not cuda_graphs) if attention is True else ({}, set())
     cg = ComputeGraph(gm.graph)
-    attentions = find(gm.graph, cg) if attention else []
+    # our kernel reads every operand on the query's device (a CPU scale tensor of Dynamo's is not)
+    attentions = [a for a in find(gm.graph, cg) if _one_device(a)] if attention else []
     taken = {n for a in attentions for n in a.nodes}
     part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg)
     units, kernels, dropped = [], [], []
@@ -110,6 +111,10 @@ def _attention_kernel(att, cg, name: str) -> AttentionKernel:
     return AttentionKernel(name, source, functools.partial(attention_codegen.prepare, mod=mod),
                            tuple(shape(n) for n in att.inputs), tuple(meta(n).dtype for n in att.inputs),
                            meta(att.out).dtype, "score mod: " + "; ".join(mod.lines))
+
+
+def _one_device(a) -> bool:
+    return all(meta(n).device == meta(a.q).device for n in a.inputs)
 
 
 def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, run_time_checks: bool) -> dict:

@@ -36,8 +36,8 @@ def _needs_grad(example_inputs) -> bool:
 
 def _refusal(gm: fx.GraphModule, example_inputs) -> str | None:
     """Why this graph is not traced here, or None."""
-    if not any("softmax" in str(n.target) for n in gm.graph.nodes):
-        return ""  # no attention to claim: nothing to say
+    if not any(_feeds_a_matmul(n) for n in gm.graph.nodes if "softmax" in str(n.target)):
+        return ""  # no attention to claim: nothing to say (and no trace: it could add guards on sizes)
     values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
     if not any(isinstance(v, FakeTensor) for v in values) or any(v is None for v in values):
         return "Dynamo's graph carries no fake inputs to trace with"
@@ -50,6 +50,18 @@ def _refusal(gm: fx.GraphModule, example_inputs) -> str | None:
             return f"the graph calls {n.target} (a plain trace would drop what it means)"
     return _grad_mode_refusal(gm, example_inputs)
     return None
+
+
+_MATMULS = ("matmul", "bmm", "einsum", "baddbmm")
+
+
+def _feeds_a_matmul(n: fx.Node, depth: int = 4) -> bool:
+    """A softmax whose result reaches a matmul within a few ops (casts, dropout): attention's shape."""
+    for u in n.users:
+        name = u.target if isinstance(u.target, str) else getattr(u.target, "__name__", str(u.target))
+        if any(m in name for m in _MATMULS) or (depth and _feeds_a_matmul(u, depth - 1)):
+            return True
+    return False
 
 
 def _grad_mode_refusal(gm: fx.GraphModule, example_inputs) -> str | None:
