@@ -204,13 +204,14 @@ def finite(n, depth: int = 0) -> bool:
     return False
 
 
-def lower(gm: fx.GraphModule, att, fixups: dict, run_time_checks: bool = False) -> tuple[str, list]:  # att: patterns.attention.Attention
+def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> tuple[str, list]:  # att: patterns.attention.Attention
     """Rewrites `att` in gm's graph as one SDPA call; returns the call as text for the report, and
     the nodes made.
     Raises NotExpressible (the graph unchanged) where SDPA cannot compute what eager does.
     `fixups` holds, per mask node, its clamped copy and its "row fully -inf" node, shared by the
-    attentions of one graph.  `run_time_checks`: a mask computed from inputs may be recognised as
-    torch's causal mask at run time (causal_or_masked; not where CUDA graphs replay the calls)."""
+    attentions of one graph.  `buffers`: inputs that are the same tensors every call (parameters and
+    buffers; empty where CUDA graphs replay the calls): a mask computed from them alone is checked
+    at run time for torch's causal mask (causal_or_masked)."""
     graph = gm.graph
     q, k, v = att.q, att.k, att.v
     h, m = shape(q)[1:3]
@@ -231,7 +232,9 @@ def lower(gm: fx.GraphModule, att, fixups: dict, run_time_checks: bool = False) 
                                          "SDPA would round it")
                 c = build(aten._to_copy.default, c, dtype=qdt)
             checked = c
-            sources = _sources(checked) if c is not None and value is None and run_time_checks else []
+            sources = _sources(checked) if c is not None and value is None else []
+            if not set(sources) <= set(buffers) or m != shape(k)[2]:  # a padding mask (new every call), or
+                sources = []  # a decode step (torch's top-left causal mask is for square attention)
             if c is not None and not sources:  # shared by the attentions reading the same mask (T5's position bias)
                 if ("clamped", checked) not in fixups:
                     fixups[("clamped", checked)] = _in_safe_range(build, c, value)

@@ -105,8 +105,9 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
         def compile_(gm, example_inputs):
             index = len(_reports)
             try:
+                static = static_inputs(gm, n_dynamo_inputs[0], len(example_inputs), backward)
                 new, report = compile_graph(gm, graph_index=index, attention=opts["attention"] if not backward else False,
-                                            cuda_graphs=opts["cuda_graphs"])
+                                            cuda_graphs=opts["cuda_graphs"], static=tuple(static))
                 report.graph = index
             except Exception as e:
                 new, report = gm, FusionReport(graph=index)

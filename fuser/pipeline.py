@@ -40,15 +40,16 @@ def _describe(n) -> str:
 
 
 def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | str = True,
-                  cuda_graphs: bool = False) -> tuple[fx.GraphModule, FusionReport]:
+                  cuda_graphs: bool = False, static: tuple = ()) -> tuple[fx.GraphModule, FusionReport]:
     """Recognise attention, partition the rest, emit a kernel per region, rewrite.  What cannot be
     emitted stays eager, with the reason.  `attention`: True lowers each attention to SDPA where
     that is exact and to our kernel elsewhere, "triton" always to our kernel, False leaves it.
-    `cuda_graphs`: the graph will be replayed, so no lowering may decide anything at run time."""
+    `cuda_graphs`: the graph will be replayed, so no lowering may decide anything at run time.
+    `static`: indices of the inputs that are parameters and buffers (the same tensors every call)."""
     folded = fold_constants(gm)
     padded = pad_matmuls(gm)
     report = FusionReport()
-    not_sdpa, lowered = _lower_to_sdpa(gm, graph_index, report, not cuda_graphs) if attention is True else ({}, set())
+    not_sdpa, lowered = _lower_to_sdpa(gm, graph_index, report, () if cuda_graphs else static) if attention is True else ({}, set())
     cg = ComputeGraph(gm.graph)
     # our kernel reads every operand on the query's device (a CPU scale tensor of Dynamo's is not)
     attentions = [a for a in find(gm.graph, cg) if _one_device(a)] if attention else []
@@ -117,18 +118,20 @@ def _one_device(a) -> bool:
     return all(meta(n).device == meta(a.q).device for n in a.inputs)
 
 
-def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, run_time_checks: bool) -> dict:
+def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, static: tuple) -> dict:
     """Each attention SDPA can compute exactly becomes one SDPA call (codegen/sdpa.py), reported as
     a region; returns {output node: why not} for the others, which go to our own kernel, and the
     SDPA calls made (not listed as left to eager: they are the lowering)."""
     cg = ComputeGraph(gm.graph)
     hints = dict(cg.sizes.hints)
     why, changed, fixups, calls = {}, [], {}, set()
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    buffers = {inputs[i] for i in static if i < len(inputs)}
     for a in find(gm.graph, cg):
         try:
             with target(meta(a.q).device.type):
                 entry = _attention_report(a, cg, "sdpa", "", graph_index, len(report.regions), hints, "")
-                text, made = sdpa.lower(gm, a, fixups, run_time_checks)
+                text, made = sdpa.lower(gm, a, fixups, buffers)
         except sdpa.NotExpressible as e:
             why[a.out] = str(e)
             continue
