@@ -40,11 +40,11 @@ WINDOW = 1024
 # name, B, Hq, Hkv, S, D, variant; variant: none | causal-graph | causal-buffer | softcap | alibi | window
 ROWS = [
     ("no mask", 4, 16, 16, 4096, 128, "none"),
-    ("causal, mask tensor", 4, 16, 16, 4096, 128, "causal-buffer"),
+    ("causal, mask in a buffer", 4, 16, 16, 4096, 128, "causal-buffer"),
     ("causal, built in the graph", 4, 16, 16, 4096, 128, "causal-graph"),
     ("tanh soft-cap + causal", 4, 16, 16, 4096, 128, "softcap"),
     ("ALiBi + causal", 4, 16, 16, 4096, 128, "alibi"),
-    (f"sliding window {WINDOW} (mask tensor)", 4, 16, 16, 4096, 128, "window"),
+    (f"sliding window {WINDOW} (mask in a buffer)", 4, 16, 16, 4096, 128, "window"),
     ("D64 S1024 causal", 16, 16, 16, 1024, 64, "causal-graph"),
     ("GQA 32/8 causal", 4, 32, 8, 2048, 128, "causal-graph"),
 ]
@@ -54,12 +54,19 @@ def _slopes(h, device):
     return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device=device)
 
 
-def hand_written(variant, groups, s, device):
-    """The attention as research code writes it; tensors it closes over are data to fuser."""
-    causal_mask = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
-    window_mask = causal_mask | torch.ones(s, s, dtype=torch.bool, device=device).tril(-WINDOW)
+class HandWritten(torch.nn.Module):
+    """The attention as research code writes it.  The mask tensors are buffers (nanoGPT's
+    `register_buffer("bias", torch.tril(...))`): data to fuser, the same tensors every call."""
 
-    def attn(q, k, v):
+    def __init__(self, variant, groups, s, device):
+        super().__init__()
+        self.variant, self.groups, self.s = variant, groups, s
+        causal = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+        self.register_buffer("causal_mask", causal)
+        self.register_buffer("window_mask", causal | torch.ones(s, s, dtype=torch.bool, device=device).tril(-WINDOW))
+
+    def forward(self, q, k, v):
+        variant, groups, s = self.variant, self.groups, self.s
         if groups > 1:  # repeat_kv, as HF writes it
             b, h, n, d = k.shape
             k = k[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
@@ -73,11 +80,10 @@ def hand_written(variant, groups, s, device):
         if variant in ("causal-graph", "softcap", "alibi"):
             sc = sc.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         elif variant == "causal-buffer":
-            sc = sc.masked_fill(causal_mask, float("-inf"))
+            sc = sc.masked_fill(self.causal_mask, float("-inf"))
         elif variant == "window":
-            sc = sc.masked_fill(window_mask, float("-inf"))
+            sc = sc.masked_fill(self.window_mask, float("-inf"))
         return torch.matmul(torch.softmax(sc.float(), dim=-1).to(q.dtype), v)
-    return attn
 
 
 def sdpa_version(variant, hq, s, device):
@@ -162,7 +168,7 @@ def run_row(name, b, hq, hkv, s, d, variant, quick=False, dev="cuda"):
     k = torch.randn(b, hkv, s, d, device=dev, dtype=BF16)
     v = torch.randn(b, hkv, s, d, device=dev, dtype=BF16)
     g = torch.randn(b, hq, s, d, device=dev, dtype=BF16)
-    eager = hand_written(variant, hq // hkv, s, dev)
+    eager = HandWritten(variant, hq // hkv, s, dev)
     row = {"row": name, "shape": f"B{b} H{hq}/{hkv} S{s} D{d}", "variant": variant}
     systems = {"eager": lambda: eager, "inductor": lambda: torch.compile(eager),
                "sdpa": lambda: sdpa_version(variant, hq, s, dev), "flex": lambda: flex_version(variant, b, hq, s, dev),

@@ -235,7 +235,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
             sources = _sources(checked) if c is not None and value is None else []
             if not set(sources) <= set(buffers) or m != shape(k)[2]:  # a padding mask (new every call), or
                 sources = []  # a decode step (torch's top-left causal mask is for square attention)
-            if c is not None and not sources:  # shared by the attentions reading the same mask (T5's position bias)
+            if c is not None:  # shared by the attentions reading the same mask (T5's position bias)
                 if ("clamped", checked) not in fixups:
                     fixups[("clamped", checked)] = _in_safe_range(build, c, value)
                 c = fixups[("clamped", checked)]
@@ -254,10 +254,16 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
     for op, factor in factors:  # (q * f) @ k^T == (q @ k^T) * f; q rounds where eager rounded the scores
         q = build(op, q, factor)
     fix_rows = c is not None and value is None and not finite(checked)  # a constant mask was checked above
-    if sources:  # the clamp and the -inf row check happen inside, where the mask is used
-        out = build(causal_or_masked, q, k, v, c, *sources, key=uuid.uuid4().hex, scale=scale, nan_rows=fix_rows)
+    if fix_rows and checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
+        fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
+    if sources:
+        out = build(causal_or_masked, q, k, v, c, fixups[checked] if fix_rows else None, *sources,
+                    key=uuid.uuid4().hex, scale=scale)
     else:
         out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
+        if fix_rows:
+            nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype)
+            out = build(aten.where.self, fixups[checked], nan, out)
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
     if c is not None and c is not checked:
         text.append(f"mask clamped to +-{SAFE_MASK:g} (SDPA's exp2 would overflow finfo.min)")
@@ -269,11 +275,6 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
     if gqa:
         text.append("enable_gqa=True" if c is None or sources else
                     f"K/V heads repeated x{h // hkv} (the masked kernel has no GQA)")
-    if fix_rows and not sources:
-        if checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
-            fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
-        nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype)
-        out = build(aten.where.self, fixups[checked], nan, out)
     if fix_rows:
         text.append("rows whose every key is -inf set to NaN, as eager")
     att.out.replace_all_uses_with(out)
@@ -322,13 +323,13 @@ _DECIDED: dict[str, list] = {}  # key of a lowered attention -> [weak refs and v
 RECHECKS = 3  # inputs that are new tensors every call: checked this many times, then the mask is used as given
 
 
-def causal_or_masked(q, k, v, mask, *sources, key: str, scale: float, nan_rows: bool):
-    """SDPA over a mask computed from data (a buffer, an input).  Where the mask is torch's causal mask
-    (0 on and below the diagonal, <= -1e30 above), SDPA runs with is_causal=True: the flash kernel,
-    no mask read, half the tiles.  The check (one comparison and a host sync) runs again only when
-    an input the mask is made from is another tensor or was written in place (its version), at most
-    RECHECKS times: a mask made from a new tensor every call (a padding mask) is then used as given,
-    clamped (_in_safe_range) and, with `nan_rows`, its rows of -inf giving NaN as eager's do."""
+def causal_or_masked(q, k, v, mask, nan_rows, *sources, key: str, scale: float):
+    """SDPA over a mask computed from parameters and buffers (nanoGPT's causal `bias` buffer).  Where
+    the mask is torch's causal mask (0 on and below the diagonal, <= -1e30 above), SDPA runs with
+    is_causal=True: the flash kernel, no mask read, half the tiles.  The check (one comparison and a
+    host sync) runs again only when an input the mask is made from is another tensor or was written
+    in place (its version), at most RECHECKS times; else the mask (clamped in the graph) is applied
+    as given, and `nan_rows` (rows of -inf) give NaN as eager's do."""
     gqa = q.shape[1] != k.shape[1]
     if not isinstance(q, FakeTensor):
         seen = _DECIDED.get(key)
@@ -341,13 +342,8 @@ def causal_or_masked(q, k, v, mask, *sources, key: str, scale: float, nan_rows: 
             return aten.scaled_dot_product_attention.default(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if gqa:  # the memory-efficient kernel (the one taking a mask) has no GQA
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
-    safe = mask
-    if torch.finfo(mask.dtype).max > SAFE_MASK:
-        safe = torch.where(mask.isinf(), mask, mask.clamp(-SAFE_MASK, SAFE_MASK))
-    out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask=safe, scale=scale)
-    if nan_rows:
-        out = torch.where(mask.amax(-1, keepdim=True) == float("-inf"), float("nan"), out)
-    return out
+    out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=scale)
+    return out if nan_rows is None else torch.where(nan_rows, float("nan"), out)
 
 
 def _is_causal(mask: torch.Tensor, m: int, n: int) -> bool:
