@@ -233,7 +233,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
                 c = build(aten._to_copy.default, c, dtype=qdt)
             checked = c
             sources = _sources(checked) if c is not None and value is None else []
-            if not set(sources) <= set(buffers) or m != shape(k)[2]:  # a padding mask (new every call), or
+            if not set(sources) <= set(buffers) or m != shape(k)[2] or att.dropout:  # a padding mask (new every call), or
                 sources = []  # a decode step (torch's top-left causal mask is for square attention)
             if c is not None:  # shared by the attentions reading the same mask (T5's position bias)
                 if ("clamped", checked) not in fixups:
@@ -248,7 +248,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
         kk, vv = (build(aten.flatten.using_ints, build(aten.clone.default, build(
             aten.expand.default, build(aten.unsqueeze.default, x, 2), [-1, -1, h // hkv, -1, -1]),
             memory_format=torch.contiguous_format), 1, 2) for x in (k, v))
-    kwargs = dict(attn_mask=c, dropout_p=0.0, is_causal=causal, scale=scale)
+    kwargs = dict(attn_mask=c, dropout_p=att.dropout, is_causal=causal, scale=scale)
     if gqa and c is None:
         kwargs["enable_gqa"] = True
     for op, factor in factors:  # (q * f) @ k^T == (q @ k^T) * f; q rounds where eager rounded the scores
@@ -265,6 +265,8 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
             nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype)
             out = build(aten.where.self, fixups[checked], nan, out)
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
+    if att.dropout:
+        text.append(f"dropout_p={att.dropout:g} (SDPA's own random stream: eager's masks differ, not their law)")
     if c is not None and c is not checked:
         text.append(f"mask clamped to +-{SAFE_MASK:g} (SDPA's exp2 would overflow finfo.min)")
     if factors:

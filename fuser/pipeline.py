@@ -115,7 +115,8 @@ def _attention_kernel(att, cg, name: str) -> AttentionKernel:
 
 
 def _one_device(a) -> bool:
-    return all(meta(n).device == meta(a.q).device for n in a.inputs)
+    """Our kernel takes the unit: its operands on the query's device, and no dropout (not written)."""
+    return not a.dropout and all(meta(n).device == meta(a.q).device for n in a.inputs)
 
 
 def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, static: tuple) -> dict:

@@ -4,7 +4,7 @@ forward and backward.
 After AOT Autograd, a training forward already saves the N x N softmax probabilities for its
 backward, and the backward reads them: rewriting the forward then would change nothing the
 backward does.  So for a graph that needs gradients, Dynamo's graph is first traced to ATen here
-(make_fx, only softmax decomposed so the recogniser sees it), each attention SDPA expresses exactly
+(make_fx, only softmax and dropout decomposed, so the recogniser sees them), each attention SDPA expresses exactly
 is rewritten as one SDPA call (codegen/sdpa.py), and that graph is what AOT Autograd traces: SDPA's
 derivative gives the flash/memory-efficient backward, and the forward saves O(N) (the log-sum-exp),
 not the scores.  Where nothing is claimed, Dynamo's graph goes to AOT Autograd untouched.
@@ -95,7 +95,7 @@ def claim_attention(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule,
     values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
     mode = next(v.fake_mode for v in values if isinstance(v, FakeTensor))
     with mode:
-        traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax]))(*values)
+        traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax, aten.dropout]))(*values)
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
     cg = ComputeGraph(traced.graph)
     notes, fixups = [], {}

@@ -40,6 +40,7 @@ class Attention:
     out: fx.Node                  # the [B, H, M, D] result
     nodes: list = field(default_factory=list)  # every node the kernel replaces
     id: int = 0
+    dropout: float = 0.0          # probability of dropout on the softmax's output (training)
 
     @property
     def inputs(self) -> list:
@@ -89,6 +90,24 @@ def _swaps_last_two(n) -> bool:
     if _packet(n) is aten.permute:
         return list(n.args[1]) == [0, 1, 3, 2]
     return _packet(n) is aten.transpose and sorted(d % 4 for d in n.args[1:3]) == [2, 3]
+
+
+def _dropout(n):
+    """(probability, nodes, input) where n is dropout in training: native_dropout's first result
+    (CUDA), or x * (bernoulli_(empty_like(x), 1 - p) / (1 - p)) (dropout's CPU form); else None."""
+    if n.target is operator.getitem and n.args[1] == 0 and _packet(n.args[0]) is aten.native_dropout:
+        drop = n.args[0]
+        if len(drop.users) == 1 and (len(drop.args) < 3 or drop.args[2] in (True, None)):
+            return float(drop.args[1]), [n, drop], drop.args[0]
+    if _packet(n) is aten.mul and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
+        for x, m in (n.args, n.args[::-1]):
+            if _packet(m) is aten.div_ and len(m.users) == 1 and _packet(m.args[0]) is aten.bernoulli_:
+                draw = m.args[0]
+                keep = draw.args[1] if len(draw.args) > 1 else None
+                if isinstance(keep, float) and m.args[1] == keep and _packet(draw.args[0]) is aten.empty_like \
+                        and draw.args[0].args[0] is x and len(draw.users) == 1 and 0 < keep <= 1:
+                    return 1.0 - keep, [n, m, draw, draw.args[0]], x
+    return None
 
 
 def _softmax_input(p):
@@ -166,9 +185,16 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     p, walked_p = _operand4(pv.args[0], (b, h, m, shape(pv.args[0])[-1]))
     if p is None:
         return None
-    while _packet(p) in (aten._to_copy, aten.clone, aten.alias) and len(shape(p)) == 4:  # casts, dropout(eval)
-        walked_p.append(p)
-        p = p.args[0]
+    dropout = 0.0
+    while len(shape(p)) == 4:  # casts, dropout(eval); dropout in training (traced before autograd)
+        if _packet(p) in (aten._to_copy, aten.clone, aten.alias):
+            walked_p.append(p)
+            p = p.args[0]
+        elif not dropout and (found := _dropout(p)) is not None:
+            dropout, walked, p = found
+            walked_p += walked
+        else:
+            break
     x, soft = _softmax_input(p)
     if x is None:
         return None
@@ -215,7 +241,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
             if n not in owned and all(u in owned for u in n.users):
                 owned.add(n)
                 changed = True
-    return Attention(q, k, v, scores, chain, extras, out, sorted(owned, key=cg.order.__getitem__))
+    return Attention(q, k, v, scores, chain, extras, out, sorted(owned, key=cg.order.__getitem__), dropout=dropout)
 
 
 def find(graph: fx.Graph, cg: ComputeGraph | None = None) -> list[Attention]:

@@ -131,8 +131,9 @@ def _claims(fused):
 @pytest.mark.parametrize("case", ["static", "dynamic", "no_grad_region", "autocast", "dropout"])
 def test_attention_claimed_before_autograd_or_left_with_a_reason(case, device):
     """Claimed (static or symbolic sizes): SDPA's gradients equal eager's.  Left to its ops, with
-    the reason in the report: gradients switched off around a value that needs them, autocast around the call,
-    dropout on the probabilities (not recognised as attention)."""
+    the reason in the report: gradients switched off around a value that needs them, autocast around
+    the call.  Dropout on the probabilities becomes SDPA's dropout_p (its own random stream: checked
+    in law by test_attention_dropout_in_training)."""
     torch.manual_seed(11)
     model = _Attention(detached=case == "no_grad_region", p=0.3 if case == "dropout" else 0.0).to(device)
     twin = copy.deepcopy(model)
@@ -161,8 +162,32 @@ def test_attention_claimed_before_autograd_or_left_with_a_reason(case, device):
             p.grad = q.grad = None
     notes = _claims(fused)
     expected = {"static": "attention claimed before autograd", "dynamic": "attention claimed before autograd",
-                "no_grad_region": "computed with gradients off", "autocast": "autocast is on", "dropout": None}[case]
-    if expected is None:
-        assert not any("claimed" in n for n in notes), notes
-    else:
-        assert any(expected in n for n in notes), notes
+                "no_grad_region": "computed with gradients off", "autocast": "autocast is on",
+                "dropout": "dropout_p=0.3"}[case]
+    assert any(expected in n for n in notes), notes
+
+
+def test_attention_dropout_in_training(device):
+    """Dropout on the attention probabilities runs inside SDPA: seeded (the same seed, the same output
+    and gradients), its mean over draws is the output without dropout, and gradients flow."""
+    torch.manual_seed(15)
+    model = _Attention(p=0.25).to(device)
+    fused = fuser.fuse(model)
+    x = torch.randn(2, 13, 32, device=device, requires_grad=True)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(16)
+        out = fused(x)
+        out.sum().backward()
+        runs.append((out.detach(), x.grad.clone()))
+        x.grad = None
+    torch.testing.assert_close(runs[0][0], runs[1][0], atol=0, rtol=0)  # reproducible
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=0, rtol=0)
+    with torch.no_grad():
+        mean = torch.stack([fused(x) for _ in range(300)]).mean(0)
+        model.eval()
+        clean = model(x)
+    assert not torch.equal(runs[0][0], clean)  # dropout happened
+    err = (mean - clean).abs().max().item() / clean.abs().max().item()
+    assert err < 0.1, err  # 300 draws: the mean of the kept-and-scaled values is the clean output
+    assert any("dropout_p=0.25" in n for n in _claims(fused)), _claims(fused)
