@@ -22,7 +22,9 @@ fp32's finfo.min would overflow to -inf).  Fully masked rows: eager's softmax of
 an all -inf row is NaN, SDPA's is 0; where `c` may hold -inf (we cannot prove it finite), the rows
 whose every key is -inf are set back to NaN after the call (one small reduction over `c`, shared by
 the attentions that read the same mask).  A mask of constants is evaluated at compile time: torch's
-causal mask becomes `is_causal=True` (no mask read), an all-zero mask none at all.
+causal mask becomes `is_causal=True` (no mask read), an all-zero mask none at all; a mask made from
+parameters and buffers alone is checked for it at run time (causal_or_masked).  Dropout on the
+probabilities (training, traced before autograd) is SDPA's `dropout_p`.
 """
 from __future__ import annotations
 
