@@ -22,8 +22,9 @@ fp32's finfo.min would overflow to -inf).  Fully masked rows: eager's softmax of
 an all -inf row is NaN, SDPA's is 0; where `c` may hold -inf (we cannot prove it finite), the rows
 whose every key is -inf are set back to NaN after the call (one small reduction over `c`, shared by
 the attentions that read the same mask).  A mask of constants is evaluated at compile time: torch's
-causal mask becomes `is_causal=True` (no mask read), an all-zero mask none at all; a mask made from
-parameters and buffers alone is checked for it at run time (causal_or_masked).  Dropout on the
+causal mask becomes `is_causal=True` (no mask read), an all-zero mask none at all; a mask that a
+masked_fill/where makes from parameters and buffers alone is checked for it at run time
+(causal_or_masked).  Dropout on the
 probabilities (training, traced before autograd) is SDPA's `dropout_p`.
 """
 from __future__ import annotations
@@ -235,8 +236,9 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
                 c = build(aten._to_copy.default, c, dtype=qdt)
             checked = c
             sources = _sources(checked) if c is not None and value is None else []
-            if not set(sources) <= set(buffers) or m != shape(k)[2] or att.dropout:  # a padding mask (new every call), or
-                sources = []  # a decode step (torch's top-left causal mask is for square attention)
+            filled = any(_packet(n) in (aten.masked_fill, aten.where) for n in att.chain)
+            if not set(sources) <= set(buffers) or m != shape(k)[2] or att.dropout or not filled:  # a padding mask (new every call), or
+                sources = []  # a decode step (torch's causal mask is square), a bias (T5's: no fill)
             if c is not None:  # shared by the attentions reading the same mask (T5's position bias)
                 if ("clamped", checked) not in fixups:
                     fixups[("clamped", checked)] = _in_safe_range(build, c, value)
