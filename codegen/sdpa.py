@@ -35,10 +35,9 @@ import weakref
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fuser.graph import constant_value, meta, operands, real_tensors, shape
+from fuser.graph import constant_value, fake_mode_of, fake_value, meta, operands, packet, real_tensors, shape
 
 aten = torch.ops.aten
 ABSORBING = 1e30  # |fill| at which fp32 a*s + fill == fill for any score below 1e22
@@ -48,16 +47,10 @@ _CAST_KWARGS = {"dtype", "memory_format", "layout", "device", "pin_memory", "non
 _SAFE = {aten.view, aten._unsafe_view, aten.expand, aten.unsqueeze, aten.permute, aten.slice, aten.select,
          aten.clone, aten.alias, aten.index, aten.squeeze, aten.repeat, aten.cat, aten.embedding,
          aten.t, aten.transpose}  # layout and gather ops: a value they output was a value of an input
-_COMPARE = {aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_and, aten.logical_or,
-            aten.logical_not, aten.bitwise_and, aten.bitwise_or, aten.bitwise_not, aten.isinf, aten.isnan}
 
 
 class NotExpressible(Exception):
     """The score chain is not softmax(a * s + c): the reason, for the report."""
-
-
-def _packet(n):
-    return getattr(n.target, "overloadpacket", None) if isinstance(n, fx.Node) else None
 
 
 def _number(x) -> float | None:
@@ -76,17 +69,13 @@ class _Builder:
 
     def __init__(self, graph: fx.Graph, before: fx.Node):
         self.graph, self.before, self.made = graph, before, []
-        vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
-        # the graph's own fake mode (before AOT Autograd, Dynamo's: not the tracing context's)
-        self.mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None) or detect_fake_mode(vals)
+        self.mode = fake_mode_of(graph)
 
     def __call__(self, target, *args, **kwargs) -> fx.Node:
         with self.graph.inserting_before(self.before):
             n = self.graph.call_function(target, args, kwargs)
         self.made.append(n)
-        fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda x: x.meta["val"])
-        with self.mode:
-            n.meta["val"] = target(*fake_args, **fake_kwargs)
+        n.meta["val"] = fake_value(n, self.mode)
         return n
 
     def undo(self):
@@ -104,7 +93,7 @@ def _mask(att, build: _Builder) -> tuple[float, fx.Node | None, list]:
         if not any(x in dep for x in operands(n)):
             continue  # a constant of the chain (a fill value): read through _number
         dep.add(n)
-        p, args = _packet(n), list(n.args)
+        p, args = packet(n), list(n.args)
         here = [i for i, x in enumerate(args) if x in dep]
         if len(here) != 1 or any(x in dep for x in n.kwargs.values()):
             raise NotExpressible(f"{p} reads the scores twice")
@@ -158,20 +147,16 @@ def _mask(att, build: _Builder) -> tuple[float, fx.Node | None, list]:
                 raise NotExpressible(f"{p} fills {fill:g}, which replaces the score instead of masking it "
                                      f"(SDPA adds its mask)")
             base = c if c is not None else build(aten.scalar_tensor.default, 0.0, dtype=dt)
-            filled = build(aten.scalar_tensor.default, fill, dtype=_dtype(base))
+            filled = build(aten.scalar_tensor.default, fill, dtype=meta(base).dtype)
             c = build(aten.where.self, cond, filled, base) if keep_fill else build(aten.where.self, cond, base, filled)
         elif p in _CASTS:
             if set(n.kwargs) - _CAST_KWARGS or not dt.is_floating_point or meta(n).device != meta(args[0]).device:
                 raise NotExpressible(f"{p} to {dt}")
-            if c is not None and _dtype(c) != dt and torch.finfo(dt).bits < torch.finfo(_dtype(c)).bits:
+            if c is not None and meta(c).dtype != dt and torch.finfo(dt).bits < torch.finfo(meta(c).dtype).bits:
                 c = build(aten._to_copy.default, c, dtype=dt)  # a narrowing cast rounds the mask as eager did
         else:
             raise NotExpressible(f"{p} on the scores")
     return a, c, factors
-
-
-def _dtype(n: fx.Node) -> torch.dtype:
-    return meta(n).dtype
 
 
 def finite(n, depth: int = 0) -> bool:
@@ -185,13 +170,11 @@ def finite(n, depth: int = 0) -> bool:
     v = meta(n)
     if v is not None and not (v.dtype.is_floating_point or v.dtype.is_complex):
         return True
-    if n.op == "get_attr" or _packet(n) in (aten.full, aten.scalar_tensor):
+    if n.op == "get_attr" or packet(n) in (aten.full, aten.scalar_tensor):
         value = constant_value(n)
         with real_tensors():
             return value is not None and bool(torch.isfinite(value).all())
-    p = _packet(n)
-    if p in _COMPARE:
-        return True
+    p = packet(n)
     if p is aten.where:
         return all(finite(x, depth + 1) for x in n.args[1:3])
     if p is aten._to_copy:
@@ -229,14 +212,14 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
                 with real_tensors():
                     causal, c = _constant_mask(value, int(m), int(shape(k)[2]), c)
             qdt = meta(q).dtype
-            if c is not None and _dtype(c) != qdt:
-                if not _dtype(c).is_floating_point or torch.finfo(_dtype(c)).bits > torch.finfo(qdt).bits:
-                    raise NotExpressible(f"the additive mask is {_dtype(c)}, wider than the {qdt} attention: "
+            if c is not None and meta(c).dtype != qdt:
+                if not meta(c).dtype.is_floating_point or torch.finfo(meta(c).dtype).bits > torch.finfo(qdt).bits:
+                    raise NotExpressible(f"the additive mask is {meta(c).dtype}, wider than the {qdt} attention: "
                                          "SDPA would round it")
                 c = build(aten._to_copy.default, c, dtype=qdt)
             checked = c
             sources = _sources(checked) if c is not None and value is None else []
-            filled = any(_packet(n) in (aten.masked_fill, aten.where) for n in att.chain)
+            filled = any(packet(n) in (aten.masked_fill, aten.where) for n in att.chain)
             if not set(sources) <= set(buffers) or m != shape(k)[2] or att.dropout or not filled:  # a padding mask (new every call), or
                 sources = []  # a decode step (torch's causal mask is square), a bias (T5's: no fill)
             if c is not None:  # shared by the attentions reading the same mask (T5's position bias)
@@ -295,7 +278,7 @@ def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:
     and multiply the mask by log2(e): a finfo.min of bf16 or fp32 (HF's masks) overflows to -inf
     there, and a row masked entirely by it gives 0 instead of eager's uniform average.  Any value past
     1e30 absorbs the scores the same, so the clamp changes nothing else; -inf stays -inf."""
-    if torch.finfo(_dtype(c)).max <= SAFE_MASK:
+    if torch.finfo(meta(c).dtype).max <= SAFE_MASK:
         return c
     if value is not None:
         with real_tensors():

@@ -104,8 +104,8 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
     def compiler(backward: bool, inference: bool = False):
         def compile_(gm, example_inputs):
             index = len(_reports)
+            static = static_inputs(gm, n_dynamo_inputs[0], len(example_inputs), backward)  # params, buffers
             try:
-                static = static_inputs(gm, n_dynamo_inputs[0], len(example_inputs), backward)
                 new, report = compile_graph(gm, graph_index=index, attention=opts["attention"] if not backward else False,
                                             cuda_graphs=opts["cuda_graphs"], static=tuple(static))
                 report.graph = index
@@ -121,7 +121,7 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
                 sink(report, new)
             run = make_boxed_func(GraphRunner(new.forward, gm.forward, report, ran))
             if opts["cuda_graphs"]:
-                run = _cuda_graphed(run, gm, example_inputs, report, backward, inference, n_dynamo_inputs[0], ran)
+                run = _cuda_graphed(run, gm, static, report, backward, inference, ran)
             return run
         return compile_
 
@@ -158,15 +158,13 @@ def _claimed(gm, example_inputs):
         return gm, [f"attention in training left to its ops: the trace before autograd failed: {type(e).__name__}: {e}"[:300]]
 
 
-def _cuda_graphed(run, gm, example_inputs, report: FusionReport, backward: bool, inference: bool,
-                  n_dynamo_inputs: int, ran):
+def _cuda_graphed(run, gm, static: list, report: FusionReport, backward: bool, inference: bool, ran):
     """`run` replayed as CUDA graphs where the graph allows it; else `run`, with the reason noted."""
     def note(text: str):
         if text not in report.notes:
             report.notes.append(text)
             log.info("fuser: graph %d: %s", report.graph, text)
 
-    static = static_inputs(gm, n_dynamo_inputs, len(example_inputs), backward)
     reason = cuda_graph_refusal(gm, static)
     if reason is not None:
         note(f"cuda_graphs: not used for this graph: {reason}")

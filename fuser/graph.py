@@ -12,7 +12,7 @@ from functools import cached_property
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from . import indexing as ix
 from . import ops
@@ -51,18 +51,35 @@ def is_generator(n) -> bool:
     return getattr(n.target, "overloadpacket", None) in GENERATORS
 
 
+def packet(n):
+    """The op packet of a call node (aten.add for aten.add.Tensor), else None."""
+    return getattr(n.target, "overloadpacket", None) if isinstance(n, fx.Node) else None
+
+
+def fake_mode_of(graph: fx.Graph):
+    """The fake mode of the graph's own inputs (before AOT Autograd, Dynamo's: not the tracing
+    context's, which detect_fake_mode would give first)."""
+    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    return next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None) or detect_fake_mode(vals)
+
+
+def fake_value(n: fx.Node, mode):
+    """n's fake tensor, computed from its operands' under `mode`."""
+    args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+    with mode:
+        return n.target(*args, **kwargs)
+
+
 def refresh_fake(gm: fx.GraphModule, changed: list):
     """The fake tensors of `changed` nodes and of everything downstream of them, again (a rewrite
     that changes a value's strides changes its readers'); the rest keep theirs."""
-    mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    mode = fake_mode_of(gm.graph)
     stale = set(changed)
-    with mode:
-        for n in gm.graph.nodes:
-            if n.op != "call_function" or not (n in stale or any(a in stale for a in n.all_input_nodes)):
-                continue
-            stale.add(n)
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
-            n.meta["val"] = n.target(*args, **kwargs)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not (n in stale or any(a in stale for a in n.all_input_nodes)):
+            continue
+        stale.add(n)
+        n.meta["val"] = fake_value(n, mode)
 
 
 def operands(n: fx.Node) -> list[fx.Node]:

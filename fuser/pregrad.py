@@ -49,7 +49,6 @@ def _refusal(gm: fx.GraphModule, example_inputs) -> str | None:
         if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
             return f"the graph calls {n.target} (a plain trace would drop what it means)"
     return _grad_mode_refusal(gm, example_inputs)
-    return None
 
 
 _MATMULS = ("matmul", "bmm", "einsum", "baddbmm")

@@ -15,7 +15,7 @@ import torch
 
 from . import indexing as ix
 from . import ops
-from .graph import ComputeGraph, is_size, meta, operands, shape
+from .graph import ComputeGraph, is_size, meta, operands, packet, shape
 
 # The online-softmax pattern, sum(exp(A - amax(A))) over the amax's dims: op by op the sum needs the
 # max first (two passes over a row too long for registers); a running sum rescaled whenever the
@@ -24,29 +24,26 @@ aten = torch.ops.aten
 _VIEWS = {aten.view, aten._unsafe_view, aten.unsqueeze, aten.expand, aten.alias, aten.reshape}
 
 
-def _packet(n):
-    return getattr(n.target, "overloadpacket", None) if isinstance(n, torch.fx.Node) else None
-
 
 def _through_views(n):
-    while _packet(n) in _VIEWS:
+    while packet(n) in _VIEWS:
         n = n.args[0]
     return n
 
 
 def online_max(total) -> torch.fx.Node | None:
     """The amax node M when `total` is sum(exp(A - M)) and M = amax(A) over the same dims, else None."""
-    if _packet(total) is not aten.sum or total.target is operator.getitem:
+    if packet(total) is not aten.sum or total.target is operator.getitem:
         return None
     e = total.args[0]
-    if _packet(e) is not aten.exp:
+    if packet(e) is not aten.exp:
         return None
     d = e.args[0]
-    if _packet(d) is not aten.sub or d.kwargs.get("alpha", 1) != 1 or not all(isinstance(a, torch.fx.Node) for a in d.args):
+    if packet(d) is not aten.sub or d.kwargs.get("alpha", 1) != 1 or not all(isinstance(a, torch.fx.Node) for a in d.args):
         return None
     a, m = d.args
     m = _through_views(m)
-    if _packet(m) is not aten.amax or _through_views(m.args[0]) is not _through_views(a):
+    if packet(m) is not aten.amax or _through_views(m.args[0]) is not _through_views(a):
         return None
     if ops.reduction_dims(m) != ops.reduction_dims(total):
         return None

@@ -16,15 +16,12 @@ import torch.fx as fx
 
 from fuser import ops
 from fuser.indexing import broadcast_shapes
-from fuser.graph import ComputeGraph, fold_into, is_generator, meta, operands, real_tensors, run_node, shape
+from fuser.graph import ComputeGraph, fold_into, packet, is_generator, meta, operands, real_tensors, run_node, shape
 
 aten = torch.ops.aten
 _VIEW = {aten.view, aten._unsafe_view, aten.reshape}
 _SAME = {aten.expand, aten.clone, aten.alias}  # no change of values on the way to a bmm operand
 
-
-def _packet(n):
-    return getattr(n.target, "overloadpacket", None) if isinstance(n, fx.Node) else None
 
 
 @dataclass(eq=False)
@@ -56,11 +53,11 @@ class Attention:
 def _operand4(n, dims4):
     """The 4-D tensor behind a bmm operand `view(expand/clone(x))`, and the nodes walked."""
     walked = []
-    if _packet(n) not in _VIEW:
+    if packet(n) not in _VIEW:
         return None, walked
     walked.append(n)
     n = n.args[0]
-    while _packet(n) in _SAME and shape(n) == dims4:
+    while packet(n) in _SAME and shape(n) == dims4:
         walked.append(n)
         n = n.args[0]
     return (n if shape(n) == dims4 else None), walked
@@ -69,16 +66,16 @@ def _operand4(n, dims4):
 def _undo_repeat_kv(kv, walked):
     """view(clone(expand(unsqueeze(x, 2)))) -> x: the kernel maps query heads onto shared K/V heads."""
     n, seen = kv, []
-    if _packet(n) in _VIEW:
+    if packet(n) in _VIEW:
         seen.append(n)
         n = n.args[0]
-        if _packet(n) is aten.clone:
+        if packet(n) is aten.clone:
             seen.append(n)
             n = n.args[0]
-        if _packet(n) is aten.expand and len(shape(n)) == 5:
+        if packet(n) is aten.expand and len(shape(n)) == 5:
             seen.append(n)
             n = n.args[0]
-            if _packet(n) is aten.unsqueeze and n.args[1] == 2:
+            if packet(n) is aten.unsqueeze and n.args[1] == 2:
                 seen.append(n)
                 walked.extend(seen)
                 return n.args[0]
@@ -87,24 +84,24 @@ def _undo_repeat_kv(kv, walked):
 
 def _swaps_last_two(n) -> bool:
     """permute(x, [0, 1, 3, 2]) (after AOT Autograd) or transpose(x, -1, -2) (traced before it)."""
-    if _packet(n) is aten.permute:
+    if packet(n) is aten.permute:
         return list(n.args[1]) == [0, 1, 3, 2]
-    return _packet(n) is aten.transpose and sorted(d % 4 for d in n.args[1:3]) == [2, 3]
+    return packet(n) is aten.transpose and sorted(d % 4 for d in n.args[1:3]) == [2, 3]
 
 
 def _dropout(n):
     """(probability, nodes, input) where n is dropout in training: native_dropout's first result
     (CUDA), or x * (bernoulli_(empty_like(x), 1 - p) / (1 - p)) (dropout's CPU form); else None."""
-    if n.target is operator.getitem and n.args[1] == 0 and _packet(n.args[0]) is aten.native_dropout:
+    if n.target is operator.getitem and n.args[1] == 0 and packet(n.args[0]) is aten.native_dropout:
         drop = n.args[0]
         if len(drop.users) == 1 and (len(drop.args) < 3 or drop.args[2] in (True, None)):
             return float(drop.args[1]), [n, drop], drop.args[0]
-    if _packet(n) is aten.mul and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
+    if packet(n) is aten.mul and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
         for x, m in (n.args, n.args[::-1]):
-            if _packet(m) is aten.div_ and len(m.users) == 1 and _packet(m.args[0]) is aten.bernoulli_:
+            if packet(m) is aten.div_ and len(m.users) == 1 and packet(m.args[0]) is aten.bernoulli_:
                 draw = m.args[0]
                 keep = draw.args[1] if len(draw.args) > 1 else None
-                if isinstance(keep, float) and m.args[1] == keep and _packet(draw.args[0]) is aten.empty_like \
+                if isinstance(keep, float) and m.args[1] == keep and packet(draw.args[0]) is aten.empty_like \
                         and draw.args[0].args[0] is x and len(draw.users) == 1 and 0 < keep <= 1:
                     return 1.0 - keep, [n, m, draw, draw.args[0]], x
     return None
@@ -112,17 +109,17 @@ def _dropout(n):
 
 def _softmax_input(p):
     """X when p is the decomposed softmax exp(X - amax(X)) / sum(exp(...)) over the last dim."""
-    if _packet(p) is not aten.div or not isinstance(p.args[1], fx.Node):
+    if packet(p) is not aten.div or not isinstance(p.args[1], fx.Node):
         return None, []
     e, total = p.args
-    if _packet(e) is not aten.exp or _packet(total) is not aten.sum or total.args[0] is not e:
+    if packet(e) is not aten.exp or packet(total) is not aten.sum or total.args[0] is not e:
         return None, []
     d = e.args[0]
-    if _packet(d) is not aten.sub:
+    if packet(d) is not aten.sub:
         return None, []
     x, m = d.args
     last = len(shape(x)) - 1
-    if _packet(m) is not aten.amax or m.args[0] is not x:
+    if packet(m) is not aten.amax or m.args[0] is not x:
         return None, []
     if ops.reduction_dims(m) != (last,) or ops.reduction_dims(total) != (last,):
         return None, []
@@ -173,10 +170,10 @@ def _ancestors(n, stop_before: int, cg: ComputeGraph) -> set:
 
 def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     """The attention whose final matmul is `pv`, if the graph around it is one."""
-    if _packet(pv) is not aten.bmm:
+    if packet(pv) is not aten.bmm:
         return None
     users = list(pv.users)
-    if len(users) != 1 or _packet(users[0]) not in _VIEW or len(shape(users[0])) != 4:
+    if len(users) != 1 or packet(users[0]) not in _VIEW or len(shape(users[0])) != 4:
         return None
     out = users[0]
     b, h, m, d = shape(out)
@@ -187,7 +184,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
         return None
     dropout = 0.0
     while len(shape(p)) == 4:  # casts, dropout(eval); dropout in training (traced before autograd)
-        if _packet(p) in (aten._to_copy, aten.clone, aten.alias):
+        if packet(p) in (aten._to_copy, aten.clone, aten.alias):
             walked_p.append(p)
             p = p.args[0]
         elif not dropout and (found := _dropout(p)) is not None:
@@ -204,8 +201,8 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
         return None
     v = _undo_repeat_kv(v, walked_v)
     # walk back from the softmax input to Q·Kᵀ
-    candidates = [a for a in _ancestors(x, 0, cg) if _packet(a) is aten.bmm and len(a.users) == 1
-                  and _packet(next(iter(a.users))) in _VIEW and shape(next(iter(a.users))) == (b, h, m, n)]
+    candidates = [a for a in _ancestors(x, 0, cg) if packet(a) is aten.bmm and len(a.users) == 1
+                  and packet(next(iter(a.users))) in _VIEW and shape(next(iter(a.users))) == (b, h, m, n)]
     if not candidates:
         return None
     qk = max(candidates, key=cg.order.__getitem__)  # the nearest: earlier layers are ancestors too
@@ -248,7 +245,7 @@ def find(graph: fx.Graph, cg: ComputeGraph | None = None) -> list[Attention]:
     cg = cg or ComputeGraph(graph)
     found = []
     for n in graph.nodes:
-        if n.op == "call_function" and n.target is not operator.getitem and _packet(n) is aten.bmm:
+        if n.op == "call_function" and n.target is not operator.getitem and packet(n) is aten.bmm:
             a = match(n, cg)
             if a is not None:
                 a.id = len(found)
