@@ -229,6 +229,8 @@ class KernelWriter:
         src, dim, index, at, span = ops.gather_parts(n)
         index_idx = tuple(idx) if span is None else tuple(idx[at:at + span])
         iv = self.value(index, index_idx, cond)
+        if interpreting():  # an index loaded as a scalar (a [1, 1] tensor of token ids): the interpreter's
+            iv = self.new(f"tl.where(xmask, {iv}, {iv})", self.dtypes[iv])  # 0-d bools are int32, no load mask
         size = shape(src)[dim]
         if n.target.overloadpacket is aten.index:
             valid = f"({iv} >= -{ix.texpr(size)}) & ({iv} < {ix.texpr(size)})"

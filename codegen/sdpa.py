@@ -205,6 +205,9 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
     build = _Builder(graph, att.out)
     try:
         scale, c, factors = _mask(att, build)
+        low = False
+        if att.safe:
+            q, k, v, c, scale, low = _undo_math_path(q, k, v, c, scale)
         causal, value, checked, sources = False, None, None, []
         if c is not None:
             value = constant_value(c) if m.is_Integer and shape(k)[2].is_Integer else None
@@ -240,7 +243,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
         kwargs["enable_gqa"] = True
     for op, factor in factors:  # (q * f) @ k^T == (q @ k^T) * f; q rounds where eager rounded the scores
         q = build(op, q, factor)
-    fix_rows = c is not None and value is None and not finite(checked)  # a constant mask was checked above
+    fix_rows = c is not None and value is None and not finite(checked) and not att.safe  # a constant mask was checked above
     if fix_rows and checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
         fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
     if sources:
@@ -251,6 +254,8 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
         if fix_rows:
             nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype)
             out = build(aten.where.self, fixups[checked], nan, out)
+    if att.safe and low:
+        out = build(aten._to_copy.default, out, dtype=meta(att.out).dtype)
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
     if att.dropout:
         text.append(f"dropout_p={att.dropout:g} (SDPA's own random stream: eager's masks differ, not their law)")
@@ -266,11 +271,37 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
                     f"K/V heads repeated x{h // hkv} (the masked kernel has no GQA)")
     if fix_rows:
         text.append("rows whose every key is -inf set to NaN, as eager")
+    if att.safe:
+        text.append("SDPA's math path as the tracer decomposed it (_safe_softmax: a fully masked row gives 0), "
+                    + ("run on the program's 16-bit q, k, v" if low else "q and k scales folded"))
     att.out.replace_all_uses_with(out)
     for n in reversed(att.nodes):
         if not n.users:
             graph.erase_node(n)
     return "scaled_dot_product_attention: " + ", ".join(text), build.made
+
+
+def _undo_math_path(q, k, v, c, scale: float):
+    """SDPA's math path, decomposed by the tracer (it picked no fused kernel for fake tensors): q and k
+    each scaled by sqrt(scale), and on CUDA 16-bit q, k, v (and a mask) cast to fp32 first.  The
+    scales fold into SDPA's; the casts are dropped, so that SDPA runs on the program's 16-bit
+    tensors, as the program's own SDPA call would in eager (its output is cast back to fp32 for the
+    graph).  Returns (q, k, v, c, scale, whether the casts were dropped)."""
+    def factor(x):
+        if packet(x) is aten.mul and isinstance(x.args[1], (int, float)) and len(x.users) == 1:
+            return x.args[0], float(x.args[1])
+        return x, 1.0
+
+    def source(x):
+        return x.args[0] if packet(x) in (aten._to_copy, torch.ops.prims.convert_element_type) else None
+    (q, a), (k, b) = factor(q), factor(k)
+    scale *= a * b
+    casts = [source(x) for x in (q, k, v, *([c] if c is not None else []))]
+    low = all(isinstance(x, fx.Node) for x in casts) and len({meta(x).dtype for x in casts}) == 1 \
+        and meta(casts[0]).dtype in (torch.float16, torch.bfloat16) and meta(q).dtype == torch.float32
+    if not low:
+        return q, k, v, c, scale, False
+    return (*casts[:3], casts[3] if c is not None else None, scale, True)
 
 
 def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:

@@ -125,10 +125,12 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
             return run
         return compile_
 
-    # min-cut: the forward saves what is cheapest by bytes and recomputes cheap pointwise work instead
+    # min-cut: the forward saves what is cheapest by bytes and recomputes cheap pointwise work instead.
+    # Mutated inputs (a KV cache, a buffer) stay in the graph as copy_ (as Inductor asks): the wrapper
+    # then writes them in place (runtime.write_inputs_in_place) and CUDA graphs capture the writes.
     aot = aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True),
                        inference_compiler=compiler(False, inference=True), decompositions=decompositions(),
-                       partition_fn=min_cut_rematerialization_partition)
+                       partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
 
     def backend(gm, example_inputs):
         n_dynamo_inputs[0] = len(example_inputs)

@@ -29,7 +29,7 @@ def decompositions() -> dict:
     table[aten.native_group_norm.default] = native_group_norm
     table[aten.native_group_norm_backward.default] = native_group_norm_backward
     table[aten.copy.default] = copy
-    for op in ops.KEEP_WHOLE:
+    for op in [*ops.KEEP_WHOLE, aten.baddbmm]:  # baddbmm: one cuBLAS call (BLOOM's scores: see patterns)
         for overload in op.overloads():
             table.pop(getattr(op, overload), None)
     return table

@@ -747,9 +747,12 @@ def _pad(node, idx, ranges):
 def gather_parts(node):
     """(source, dim, index node, where the index sits in the output's dims, how many dims it spans)
     of a gather-like node: gather's index has the output's shape; index_select's is 1-D at `dim`;
-    `x[..., t, ...]` (one integer index tensor at position p) puts t's dims in place of dim p."""
+    `x[..., t, ...]` (one integer index tensor at position p) puts t's dims in place of dim p, and
+    embedding(weight, t) is weight[t]."""
     packet = node.target.overloadpacket
     src = node.args[0]
+    if packet is aten.embedding:  # weight[indices]: the indices' dims, then the row's
+        return src, 0, node.args[1], 0, node.args[1].meta["val"].dim()
     if packet is aten.index:
         p = next(i for i, t in enumerate(node.args[1]) if t is not None)
         index = node.args[1][p]
@@ -795,12 +798,13 @@ LAYOUT = {
     aten.cat: L(_cat, copies=True), aten.flip: L(_flip, copies=True),
     aten.constant_pad_nd: L(_pad, copies=True),
     aten.slice_scatter: L(_slice_scatter, copies=True),
-    # gathers: index_select (torch's roll decomposes to it, with an index computed from arange), and
-    # indexing by one integer tensor (a relative-position-bias table); the index is loaded or computed
-    # in the kernel (see the codegen's _gather)
+    # gathers: index_select (torch's roll decomposes to it, with an index computed from arange),
+    # indexing by one integer tensor (a relative-position-bias table) and embedding (token ids); the
+    # index is loaded or computed in the kernel (see the codegen's _gather)
     aten.gather: L(None, copies=True, indirect=True),
     aten.index_select: L(None, copies=True, indirect=True),
     aten.index: L(None, copies=True, indirect=True),
+    aten.embedding: L(None, copies=True, indirect=True),
 }
 
 
@@ -847,12 +851,13 @@ OPAQUE = {
     aten.baddbmm: "matmul: compute-bound, left to cuBLAS",
     aten.convolution: "convolution: compute-bound, left to cuDNN",
     aten.convolution_backward: "convolution: compute-bound, left to cuDNN",
-    aten.embedding: "embedding: a gather by token id, left to eager",
     aten._scaled_dot_product_flash_attention: "attention already fused by SDPA",
     aten._scaled_dot_product_efficient_attention: "attention already fused by SDPA",
     aten._scaled_dot_product_cudnn_attention: "attention already fused by SDPA",
     aten._scaled_dot_product_flash_attention_for_cpu: "attention already fused by SDPA",
+    aten.scaled_dot_product_attention: "attention already fused by SDPA",
     aten.native_dropout: "random: dropout in training is left to eager",
+    aten.copy_: "writes a mutated input's new value back into it (a buffer, a cache), as AOT Autograd did after the graph",
     aten.bernoulli: "random numbers are left to eager",
     aten.rand: "random numbers are left to eager", aten.randn: "random numbers are left to eager",
 }

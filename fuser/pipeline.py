@@ -17,15 +17,16 @@ from fuser.codegen import attention as attention_codegen
 from fuser.codegen import sdpa
 from fuser.codegen.kernel import CodegenError, generate
 from fuser.codegen.score_mod import score_mod
-from fuser.patterns.attention import causal_offset, find
+from fuser.patterns.attention import causal_offset, find, normalize_attention
 
 from . import ops
 from .cost import eager_cost, tensor_bytes
 from .dtypes import target
 from .fold import fold_constants
+from .gqa import share_kv_heads
 from .padding import pad_matmuls
 from .graph import ComputeGraph, meta, refresh_fake, shape
-from .runtime import AttentionKernel, RegionKernel
+from .runtime import AttentionKernel, RegionKernel, fast_calls, write_inputs_in_place
 from .partition import Partitioner
 from .report import FusionReport, RegionReport, Unfused
 from .rewrite import Unbound, bind_sizes, rewrite
@@ -49,7 +50,10 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     folded = fold_constants(gm)
     padded = pad_matmuls(gm)
     report = FusionReport()
+    if attention and normalize_attention(gm.graph):  # BLOOM's scores: Q·Kᵀ and a bias, for the recogniser
+        gm.recompile()
     not_sdpa, lowered = _lower_to_sdpa(gm, graph_index, report, () if cuda_graphs else static) if attention is True else ({}, set())
+    shared = share_kv_heads(gm)
     cg = ComputeGraph(gm.graph)
     # our kernel reads every operand on the query's device (a CPU scale tensor of Dynamo's is not)
     attentions = [a for a in find(gm.graph, cg) if _one_device(a)] if attention else []
@@ -97,9 +101,18 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         report.notes.append("CPU tensors: the kernels run through Triton's interpreter (correct, slow; for tests)")
     if folded:
         report.notes.append(f"{len(folded)} constants computed once, at compile time: {', '.join(folded)}")
+    if shared:
+        report.notes.append(f"attention of one query row shares K and V between query heads: {'; '.join(shared)}")
     if padded:
         report.notes.append(f"matmuls with unaligned widths padded: {', '.join(padded)}")
     new = rewrite(gm, units, kernels, bound) if units else gm
+    if units:  # on the final order of the calls; then the eager calls through torch's bindings (last:
+        written = write_inputs_in_place(new.graph)  # the targets are no longer OpOverloads)
+        fast_calls(new.graph)
+        new.recompile()
+        if written:
+            report.unfused = [u for u in report.unfused if u.node not in written]
+            report.notes.append(f"{len(written)} mutated inputs written in place (no copy of the input, no copy back)")
     report.code.append(new.code)
     return new, report
 

@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fuser.codegen import sdpa
 from fuser.graph import ComputeGraph
-from fuser.patterns.attention import find
+from fuser.patterns.attention import find, normalize_attention
 
 aten = torch.ops.aten
 
@@ -96,6 +96,7 @@ def claim_attention(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule,
     with mode:
         traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax, aten.dropout]))(*values)
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
+    normalize_attention(traced.graph)
     cg = ComputeGraph(traced.graph)
     notes, fixups = [], {}
     for a in find(traced.graph, cg):

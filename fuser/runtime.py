@@ -23,12 +23,14 @@ runtime never imports codegen or patterns.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
 import operator
 import os
 import threading
+import types
 import warnings
 import weakref
 
@@ -449,9 +451,13 @@ class RegionKernel(torch.nn.Module):
 def named(name: str, fn, returns_args: slice = slice(0, 0)):
     """`fn` as the rewritten graph calls it: a plain function (no module machinery on the launch
     path) named for the kernel, so that the printed program reads `kernels_fused_3(...)`.
-    `returns_args`: the arguments it returns (output buffers it was given); the rest is new memory."""
-    def call(*args):
-        return fn(*args)
+    `returns_args`: the arguments it returns (output buffers it was given); the rest is new memory.
+    A Python function is renamed (a copy of it: no extra frame per call); a builtin is wrapped."""
+    if isinstance(fn, types.FunctionType):
+        call = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    else:
+        def call(*args):
+            return fn(*args)
     call.__name__ = call.__qualname__ = name
     call.__module__ = "kernels"
     call.returns_args = returns_args
@@ -557,6 +563,38 @@ _MULTI_VIEWS = {torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.def
 reinterpret = named("reinterpret", torch._C._dynamo.guards._reinterpret_tensor, returns_args=slice(0, 1))
 
 
+aten = torch.ops.aten
+# ATen overloads the wrapper calls through torch's public bindings: the same kernel, its arguments
+# parsed in C++ (OpOverload.__call__ adds a Python frame and pybind's schema matching: aten.mm.default
+# takes 2.7 us of host time against torch.mm's 1.6 on this project's CPU).  Each binding takes the
+# overload's arguments, positional and keyword, under the same names, and resolves to this overload
+# for them; the table holds the ops that stay eager in most graphs (matmuls, gathers, SDPA, copies).
+# Not index_put: its binding refuses the None of an index list (`cache[:, :, pos] = k`).
+_BINDINGS = {
+    aten.mm.default: torch.mm, aten.addmm.default: torch.addmm, aten.bmm.default: torch.bmm,
+    aten.baddbmm.default: torch.baddbmm, aten.convolution.default: torch.convolution,
+    aten.embedding.default: torch.embedding, aten.index_select.default: torch.index_select,
+    aten.clone.default: torch.clone, aten.copy_.default: torch.Tensor.copy_,
+    aten.sum.dim_IntList: torch.sum,
+    aten.scaled_dot_product_attention.default: torch._C._nn.scaled_dot_product_attention,
+    aten._scaled_dot_product_efficient_attention.default: torch._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_flash_attention.default: torch._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_cudnn_attention.default: torch._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: torch._scaled_dot_product_flash_attention_for_cpu,
+}
+
+
+def fast_calls(graph) -> int:
+    """Eager ops of the wrapper called through their public bindings (above); returns how many.  The
+    last pass on a graph: its targets are then no longer OpOverloads (no schema, no purity to read)."""
+    done = 0
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in _BINDINGS:
+            n.target = _BINDINGS[n.target]
+            done += 1
+    return done
+
+
 def fast_views(graph, exact: set) -> int:
     """Views over static layouts (view, permute, expand, slice, a split's pieces...) become one
     reinterpretation of the tensor they start from, as in Inductor's generated code: a call through
@@ -593,15 +631,15 @@ def fast_views(graph, exact: set) -> int:
 
 def _view_site(n):
     """(base, step) when `n` is a view of a tensor over static sizes with its base's dtype, else None;
-    the step is (op, args, kwargs, index of the piece taken or None)."""
+    the step is view_step's."""
     if n.op != "call_function":
         return None
     if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and n.args[0].target in _MULTI_VIEWS:
         whole = n.args[0]
-        base, step = whole.args[0], (whole.target, tuple(whole.args[1:]), dict(whole.kwargs), n.args[1])
+        base, step = whole.args[0], view_step(whole.target, whole.args[1:], whole.kwargs, n.args[1])
     elif isinstance(n.target, torch._ops.OpOverload) and (n.target.is_view or n.target is torch.ops.aten._unsafe_view.default) \
             and n.target not in _MULTI_VIEWS and "as_strided" not in n.target.__name__:
-        base, step = n.args[0], (n.target, tuple(n.args[1:]), dict(n.kwargs), None)
+        base, step = n.args[0], view_step(n.target, n.args[1:], n.kwargs, None)
     else:
         return None
     if not isinstance(base, torch.fx.Node):
@@ -617,13 +655,31 @@ def _static(t) -> bool:
     return all(isinstance(x, int) for x in (*t.shape, *t.stride(), t.storage_offset()))
 
 
+def view_step(op, args, kwargs, index) -> tuple:
+    """One view of a chain as the program prints it: ("aten.permute.default", args, kwargs as
+    pairs, the piece taken or None), constants only (names, numbers, tuples), so that Python builds
+    the chain once, when it compiles the program, and not on every call."""
+    return (f"{op.namespace}.{op.__name__}", _frozen(tuple(args)), _frozen(tuple(sorted(kwargs.items()))), index)
+
+
+def _frozen(x):
+    return tuple(map(_frozen, x)) if isinstance(x, (list, tuple)) else x
+
+
+@functools.cache
+def _op(name: str):
+    namespace, packet, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+
+
 def _view_chain(root, size, stride, offset, root_size, root_stride, *steps):
     """A chain of views of `root`: if root has the traced layout, one reinterpretation; else the ops."""
     if root.stride() == root_stride and root.shape == root_size:
         return torch._C._dynamo.guards._reinterpret_tensor(root, size, stride, offset)
     t = root
-    for op, args, kwargs, index in steps:
-        t = op(t, *args, **kwargs) if index is None else op(t, *args, **kwargs)[index]
+    for name, args, kwargs, index in steps:
+        t = _op(name)(t, *args, **dict(kwargs))
+        t = t if index is None else t[index]
     return t
 
 
@@ -647,7 +703,7 @@ def reuse_buffers(graph, allocations: set) -> int:
         if n in allocations:
             group[n] = frozenset([n])
         elif n.op == "call_function":
-            group[n] = _aliased(n, members)
+            group[n] = aliased(n, members)
     last, forever = {}, set()
     for n in nodes:
         for a in n.all_input_nodes:
@@ -677,7 +733,69 @@ def reuse_buffers(graph, allocations: set) -> int:
     return saved
 
 
-def _aliased(n, members) -> frozenset:
+# functional overwrites of some elements of a tensor -> their in-place forms
+_IN_PLACE = {torch.ops.aten.index_put.default: torch.ops.aten.index_put_.default,
+             torch.ops.aten.index_copy.default: torch.ops.aten.index_copy_.default,
+             torch.ops.aten.scatter.src: torch.ops.aten.scatter_.src,
+             torch.ops.aten.scatter.value: torch.ops.aten.scatter_.value}
+
+
+def write_inputs_in_place(graph) -> list[str]:
+    """An input the graph mutates (AOT Autograd ends the graph with `copy_(input, new)`, e.g. a KV
+    cache written with index_put) is written in place where `new` overwrites some of its elements
+    (index_put without accumulation, index_copy, scatter): the functional op would copy the whole
+    input first and the copy_ write it all back, two passes over a cache per layer in a decode step
+    for one new row.  Taken only where nothing reads the input (or a view of it) after the op, in
+    the graph's final order, and the indices and values do not depend on the input (so a call
+    replayed after a failure writes the same).  torch.fx.passes.reinplace leaves graph inputs alone
+    (its own TODO) and Inductor's pass belongs to its lowering, hence this.  Returns the names of
+    the copy_ nodes removed."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    done = []
+    for c in nodes:
+        if c.target is not torch.ops.aten.copy_.default or not isinstance(c.args[1], torch.fx.Node):
+            continue
+        dst, new = c.args[:2]
+        if dst.op != "placeholder" or new.target not in _IN_PLACE or new.args[0] is not dst \
+                or _accumulates(new) or not _same_layout(meta(new), meta(dst)) or _reads(new, dst):
+            continue
+        views = {dst}
+        for n in nodes[pos[dst] + 1:]:
+            if n.op == "call_function" and n is not new and aliased(n, lambda a: {a} & views):
+                views.add(n)
+        if any(pos[u] > pos[new] for v in views for u in v.users if u not in (new, c)):
+            continue  # read after the write: the functional op's copy is needed
+        new.target = _IN_PLACE[new.target]
+        c.replace_all_uses_with(dst)
+        done.append(c.name)
+        graph.erase_node(c)
+    return done
+
+
+def _accumulates(n) -> bool:
+    return n.target is torch.ops.aten.index_put.default and bool(n.kwargs.get("accumulate", n.args[3] if len(n.args) > 3 else False))
+
+
+def _same_layout(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+        and tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride()
+
+
+def _reads(n, dst) -> bool:
+    """Do n's arguments other than the first depend on dst?"""
+    stack, seen = [a for a in n.all_input_nodes if a is not n.args[0]], set()
+    while stack:
+        a = stack.pop()
+        if a is dst:
+            return True
+        if a not in seen:
+            seen.add(a)
+            stack.extend(a.all_input_nodes)
+    return False
+
+
+def aliased(n, members) -> frozenset:
     """The buffers a call's result may share memory with."""
     target = n.target
     schema = getattr(target, "_schema", None)

@@ -16,7 +16,8 @@ import torch.fx as fx
 
 from fuser import ops
 from fuser.indexing import broadcast_shapes
-from fuser.graph import ComputeGraph, fold_into, packet, is_generator, meta, operands, real_tensors, run_node, shape
+from fuser.graph import (ComputeGraph, fake_mode_of, fake_value, fold_into, packet, is_generator, meta, operands,
+                         real_tensors, run_node, shape)
 
 aten = torch.ops.aten
 _VIEW = {aten.view, aten._unsafe_view, aten.reshape}
@@ -38,6 +39,8 @@ class Attention:
     nodes: list = field(default_factory=list)  # every node the kernel replaces
     id: int = 0
     dropout: float = 0.0          # probability of dropout on the softmax's output (training)
+    safe: bool = False            # torch's _safe_softmax: a row whose every score is -inf gives 0 (SDPA's math
+                                  # path under compile), not eager softmax's NaN
 
     @property
     def inputs(self) -> list:
@@ -105,6 +108,41 @@ def _dropout(n):
                         and draw.args[0].args[0] is x and len(draw.users) == 1 and 0 < keep <= 1:
                     return 1.0 - keep, [n, m, draw, draw.args[0]], x
     return None
+
+
+def _safe_rows(p) -> list:
+    """torch's _safe_softmax as decomposed: where(not any(not (x == -inf)), 0, softmax(x)) (or with
+    all(x == -inf)): its nodes other than the softmax, or [] if p is not that."""
+    if packet(p) is not aten.where or len(p.args) != 3 or not isinstance(p.args[0], fx.Node):
+        return []
+    cond, zero, inner = p.args
+    x, _ = _softmax_input(inner)
+    if x is None or not _is_zero(zero):
+        return []
+    nodes = [p] + ([zero] if isinstance(zero, fx.Node) else [])
+    n = cond
+    if packet(n) is aten.logical_not and packet(n.args[0]) is aten.any:
+        nodes += [n, n.args[0]]
+        n = n.args[0].args[0]
+        if packet(n) is not aten.logical_not:
+            return []
+        nodes.append(n)
+        n = n.args[0]
+    elif packet(n) is aten.all:
+        nodes.append(n)
+        n = n.args[0]
+    else:
+        return []
+    if packet(n) is not aten.eq or n.args[0] is not x or n.args[1] != float("-inf"):
+        return []
+    return nodes + [n]
+
+
+def _is_zero(z) -> bool:
+    if isinstance(z, (int, float)):
+        return z == 0
+    return packet(z) in (aten.full_like, aten.zeros_like, aten.full, aten.scalar_tensor) and \
+        (packet(z) is aten.zeros_like or z.args[-1 if packet(z) is aten.scalar_tensor else 1] == 0)
 
 
 def _softmax_input(p):
@@ -192,6 +230,10 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
             walked_p += walked
         else:
             break
+    safe = _safe_rows(p)
+    if safe:
+        walked_p += safe
+        p = p.args[2]
     x, soft = _softmax_input(p)
     if x is None:
         return None
@@ -238,7 +280,115 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
             if n not in owned and all(u in owned for u in n.users):
                 owned.add(n)
                 changed = True
-    return Attention(q, k, v, scores, chain, extras, out, sorted(owned, key=cg.order.__getitem__), dropout=dropout)
+    return Attention(q, k, v, scores, chain, extras, out, sorted(owned, key=cg.order.__getitem__), dropout=dropout,
+                     safe=bool(safe))
+
+
+def normalize_attention(graph: fx.Graph) -> int:
+    """Rewrites two ways of writing attention into the form match() reads; returns how many.
+
+    - BLOOM's scores, `baddbmm(alibi, q, kᵀ, beta, alpha).view(B, H, M, N)` = alpha·(q·kᵀ) +
+      beta·alibi, written out in [B, H, M, N] as bmm, view, mul and add where they reach a softmax's
+      max within a few ops, so that Q·Kᵀ is a bmm and the bias is in the chain (fuser's
+      decompositions keep baddbmm whole: elsewhere it stays one cuBLAS call);
+    - Kᵀ made by one permute of another layout (BLOOM's `k.permute(0, 2, 3, 1)` of [B, N, H, D]):
+      split into the permute to K ([B, H, N, D]) and the swap of its last two dims."""
+    done, mode = 0, None
+    for n in list(graph.nodes):
+        if packet(n) is not aten.baddbmm or len(n.users) != 1 or not _reaches_softmax(n):
+            continue
+        view = next(iter(n.users))
+        bias, q, kt = n.args[:3]
+        if packet(view) not in _VIEW or len(shape(view)) != 4 or not isinstance(bias, fx.Node):
+            continue
+        b, h, m, k = shape(view)
+        lead = shape(bias)[:-2] if len(shape(bias)) == 3 else None
+        if lead not in ((b * h,), (1,)):
+            continue
+        beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)  # keyword-only in the schema
+        mode = mode or fake_mode_of(graph)
+        with graph.inserting_before(view):
+            def call(target, *args):
+                new = graph.call_function(target, args)
+                new.meta["val"] = fake_value(new, mode)
+                return new
+            s4 = call(aten.view.default, call(aten.bmm.default, q, kt), [b, h, m, k])
+            s4 = s4 if alpha == 1 else call(aten.mul.Tensor, s4, alpha)
+            out = s4
+            if beta != 0:  # else baddbmm ignores the input (even its NaN)
+                bias4 = call(aten.view.default, bias, [b if lead[0] != 1 else 1, h if lead[0] != 1 else 1,
+                                                       *shape(bias)[1:]])
+                out = call(aten.add.Tensor, s4, bias4 if beta == 1 else call(aten.mul.Tensor, bias4, beta))
+        view.replace_all_uses_with(out)
+        graph.erase_node(view)
+        graph.erase_node(n)
+        done += 1
+    return done + _split_kt_permutes(graph)
+
+
+def _split_kt_permutes(graph: fx.Graph) -> int:
+    """Kᵀ as match() reads it (a swap of the last two dims of a 4-D K, viewed to 3-D for the bmm)
+    where the model wrote `k.permute(0, 2, 3, 1)` of [B, N, H, D], transposed K after viewing it to
+    [B·H, N, D], or scaled Kᵀ after the swap (SDPA's math path: permute(k) * s is permute(k * s))."""
+    done, mode = 0, None
+    for n in list(graph.nodes):
+        if packet(n) is not aten.bmm or len(shape(n.args[1])) != 3 or not _reaches_softmax(n):
+            continue
+        walked = [n.args[1]]
+        while packet(walked[-1]) in (*_VIEW, *_SAME):
+            walked.append(walked[-1].args[0])
+        kt = walked[-1]
+        mode = mode or fake_mode_of(graph)
+
+        def call(*args, before):
+            with graph.inserting_before(before):
+                new = graph.call_function(*args)
+            new.meta["val"] = fake_value(new, mode)
+            return new
+        if packet(kt) is aten.mul and isinstance(kt.args[1], (int, float)) and packet(kt.args[0]) is aten.permute \
+                and len(kt.users) == 1:
+            perm = kt.args[0]
+            moved = call(perm.target, (call(kt.target, (perm.args[0], kt.args[1]), before=kt), *perm.args[1:]), before=kt)
+            kt.replace_all_uses_with(moved)
+            graph.erase_node(kt)
+            if not perm.users:
+                graph.erase_node(perm)
+            kt = moved
+            done += 1
+        if packet(kt) is aten.transpose and len(shape(kt)) == 3 and sorted(d % 3 for d in kt.args[1:3]) == [1, 2]:
+            p = [0, 2, 1]  # traced before AOT Autograd
+        elif packet(kt) is aten.permute and not _swaps_last_two(kt):
+            p = list(kt.args[1])
+        else:
+            continue
+        if len(p) == 4:
+            k = call(aten.permute.default, (kt.args[0], [p[0], p[1], p[3], p[2]]), before=kt)
+            kt.replace_all_uses_with(call(aten.permute.default, (k, [0, 1, 3, 2]), before=kt))
+            graph.erase_node(kt)
+        elif p == [0, 2, 1] and kt is n.args[1] and (x4 := _four_d(kt.args[0])) is not None:
+            kt4 = call(aten.permute.default, (x4, [0, 1, 3, 2]), before=n)
+            n.replace_input_with(kt, call(aten.reshape.default, (kt4, list(shape(kt))), before=n))
+        else:
+            continue
+        done += 1
+    return done
+
+
+def _four_d(x3):
+    """The [B, H, N, D] tensor a [B·H, N, D] one is a view of (through views and copies), or None."""
+    n = x3
+    while packet(n) in (*_VIEW, *_SAME) and len(shape(n)) != 4:
+        n = n.args[0]
+    if len(shape(n)) == 4 and shape(n)[0] * shape(n)[1] == shape(x3)[0] and tuple(shape(n)[2:]) == tuple(shape(x3)[1:]):
+        return n
+    return None
+
+
+def _reaches_softmax(n, depth: int = 6) -> bool:
+    for u in n.users:
+        if packet(u) in (aten.amax, aten._softmax) or (depth and _reaches_softmax(u, depth - 1)):
+            return True
+    return False
 
 
 def find(graph: fx.Graph, cg: ComputeGraph | None = None) -> list[Attention]:

@@ -137,11 +137,17 @@ def test_mask_computed_from_v_is_not_rewritten(device):
     _check(attn, q, k, v, attention=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "bloom"])
 def test_hf_eager_attention_is_recognised(name, device):
+    """BLOOM writes its scores as baddbmm(alibi, q, kᵀ) over [B·H, ., .] with Kᵀ transposed after
+    that view: the ALiBi bias joins the additive mask."""
     torch.manual_seed(6)
     kw = {}
-    if name == "llama":
+    if name == "bloom":
+        model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=97, hidden_size=64, n_layer=2, n_head=4))
+        kw["attention_mask"] = torch.ones(2, 37, dtype=torch.long, device=device)
+        kw["attention_mask"][1, :6] = 0  # left padding
+    elif name == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, attn_implementation="eager"))
@@ -162,9 +168,10 @@ def test_hf_eager_attention_is_recognised(name, device):
         out, ref = fused(ids, **kw), model(ids, **kw)
     regions = _attention_regions(fused)
     assert all(r.kernel == "sdpa" for r in regions), str(fused.report)
-    if name == "bert":  # a padding mask is data: never taken for a causal structure
+    assert fused.report.fallback is None, fused.report.fallback
+    if name in ("bert", "bloom"):  # a padding mask is data: never taken for a causal structure
         assert not any("is_causal=True" in r.source for r in regions)
-    else:  # HF's mask where(keep, 0, finfo.min) is finite: no NaN fix-up
+    if name in ("llama", "gpt2"):  # HF's mask where(keep, 0, finfo.min) is finite: no NaN fix-up
         assert not any("NaN" in r.source for r in regions)
     key = "last_hidden_state" if name == "bert" else "logits"
     tol = dict(atol=1e-3, rtol=1e-3) if device == "cpu" else dict(atol=8e-2, rtol=8e-2)
@@ -337,3 +344,31 @@ def test_no_run_time_check_under_cuda_graphs(device):
             torch.testing.assert_close(fused(q, k, v), model(q, k, v), equal_nan=True, **TOL[q.dtype])
     (r,) = _attention_regions(fused)
     assert r.kernel == "sdpa" and "checked at run time" not in r.source
+
+
+@pytest.mark.parametrize("upcast", [False, True])
+def test_sdpa_math_path_decomposed_by_the_tracer_is_fused_back(upcast, device):
+    """When the tracer picks SDPA's math path (ViT under torch.compile on the H100), it arrives
+    decomposed: q and k each scaled by sqrt(scale), _safe_softmax (a fully masked row gives 0, not
+    NaN), and on CUDA 16-bit q, k, v cast to fp32 first.  It is recognised and runs as one SDPA call
+    on the program's own tensors: scales folded, casts dropped, fully masked rows 0 as the math path."""
+    torch.manual_seed(11)
+    q, k, v = _qkv(device, m=29, n=41)
+    if upcast:  # SDPA (ATen's, not the interpreter's tl.dot) runs them in bf16 on CPU too
+        q, k, v = (x.bfloat16() for x in (q, k, v))
+    mask = torch.randn(2, 1, 29, 41, device=device, dtype=q.dtype)
+    mask[1, :, 3] = float("-inf")  # one row with every key masked
+
+    def attn(q, k, v):
+        if upcast:  # what the math path does with 16-bit inputs on CUDA
+            out = torch.ops.aten._scaled_dot_product_attention_math(q.float(), k.float(), v.float(), mask.float(), scale=0.3)[0]
+            return out.to(q.dtype)
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, scale=0.3)[0]
+
+    fused = _check(attn, q, k, v, expect="sdpa")
+    (r,) = _attention_regions(fused)
+    assert "math path" in r.source and "scale=0.3" in r.source and "NaN" not in r.source, r.source
+    assert ("16-bit" in r.source) == upcast, r.source
+    assert not [u for u in fused.report.unfused if "mul" in u.op or "bmm" in u.op], fused.report
+    out = fused(q, k, v)
+    assert torch.equal(out[1, :, 3], torch.zeros_like(out[1, :, 3]))  # the math path's 0, not NaN

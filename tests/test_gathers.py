@@ -60,6 +60,37 @@ def test_index_select_with_loaded_index_and_out_of_range(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_is_a_gather_in_the_region_that_reads_it(dtype, device):
+    """Token and position embeddings, summed and normalised (GPT-2's first block): one region, the
+    token ids loaded in it; forward and the table's gradient against eager; an id out of range
+    raises, as eager does."""
+    torch.manual_seed(2)
+    wte, wpe = torch.randn(211, 24, device=device, dtype=dtype), torch.randn(37, 24, device=device, dtype=dtype)
+    ids = torch.randint(0, 211, (3, 37), device=device)
+
+    def fn(ids, wte, wpe):
+        h = F.embedding(ids, wte) + F.embedding(torch.arange(ids.shape[1], device=ids.device), wpe)
+        return F.layer_norm(h, (24,))
+
+    fused = fuser.fuse(fn, dynamic=False)
+    assert_close_to_eager(fused(ids, wte, wpe), fn(ids, wte, wpe))
+    assert {"embedding", "add", "var_mean"} <= fused_ops(fused.report)
+    one = ids[:1, :1].clone()  # a decode step: one token id, loaded as a scalar
+    assert_close_to_eager(fused(one, wte, wpe), fn(one, wte, wpe))
+    assert all(r.fallback is None for r in fused.reports), [r.fallback for r in fused.reports]
+    assert not [u for u in fused.report.unfused if "embedding" in u.op]
+    got, want = _grads(lambda w: F.layer_norm(F.embedding(ids, w) * 2, (24,)), (211, 24), device=device, dtype=dtype)
+    assert_close_to_eager(got, want)
+    if device == "cpu":  # on CUDA an out-of-range index is a device-side assert, fatal to the process
+        bad = ids.clone()
+        bad[1, 5] = 211
+        with pytest.raises((RuntimeError, IndexError), match="out of"):
+            fn(bad, wte, wpe)
+        with pytest.raises(RuntimeError, match="out of"):
+            fused(bad, wte, wpe)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_relative_position_bias_table_lookup(dtype, device):
     """`table[index].view(...).permute(...)` added to scores, as Swin and T5-style code writes it;
     negative indices count from the end, as in eager."""

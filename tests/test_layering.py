@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     # Dynamo -> AOT Autograd; the decompositions are part of that stage.
     ("backend", ("fuser.backend", "fuser.decompositions", "fuser.pregrad"), True),
     ("pipeline", ("fuser.pipeline",), False),
-    ("fold, padding", ("fuser.fold", "fuser.padding"), True),
+    ("fold, padding, gqa", ("fuser.fold", "fuser.padding", "fuser.gqa"), True),
     ("patterns/", ("fuser.patterns", "fuser.patterns.*"), True),
     ("partition", ("fuser.partition",), False),
     ("codegen/", ("fuser.codegen", "fuser.codegen.*"), True),

@@ -116,3 +116,34 @@ def test_llama_new_length_compiles_once_generically(device):
             else:
                 assert fused.report.regions and all(r.symbolic for r in fused.report.regions if r.kind != "attention")
     assert len([r for r in fused.reports if not r.notes or "backward" not in " ".join(r.notes)]) == 2
+
+
+def test_llama_decode_over_a_static_cache(device):
+    """Decode steps over a StaticCache (GQA 6/2 heads, one token a step, positions given as tensors:
+    one graph).  Logits and the cache follow eager's step by step; the cache is written in place
+    (no copy of it, no copy back) and K/V are not repeated to every query head."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).to(device, _dtype(device)).eval()
+    caches = [transformers.StaticCache(config=cfg, max_cache_len=41) for _ in range(2)]
+    prompt = torch.randint(0, 97, (1, 13), device=device)
+    fused = fuser.fuse(model, dynamic=False)
+    with torch.no_grad():
+        for cache in caches:  # prefill, eagerly, both caches alike
+            model(input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(13, device=device))
+        for step in range(4):
+            pos = torch.tensor([13 + step], device=device)
+            tok = torch.randint(0, 97, (1, 1), device=device)
+            kw = dict(input_ids=tok, position_ids=pos[None], use_cache=True, cache_position=pos)
+            out = fused(past_key_values=caches[0], **kw).logits
+            ref = model(past_key_values=caches[1], **kw).logits
+            torch.testing.assert_close(out, ref, **TOL[_dtype(device)])
+            for a, b in zip(caches[0].layers, caches[1].layers):
+                torch.testing.assert_close(a.keys, b.keys, **TOL[_dtype(device)])
+                torch.testing.assert_close(a.values, b.values, **TOL[_dtype(device)])
+    assert all(r.fallback is None for r in fused.reports), [r.fallback for r in fused.reports]
+    code, notes = fused.code, " ".join(fused.report.notes)
+    assert "index_put_" in code and "clone" not in code, code
+    assert "written in place" in notes and "shares K and V" in notes, notes
+    assert len(fused.reports) == 1

@@ -165,6 +165,9 @@ def test_views_in_the_wrapper_reinterpret_their_base(device):
     code = fused.code
     assert "kernels_view_chain(" in code, code
     assert not any(f"= torch.ops.aten.{op}" in code for op in ("permute", "split", "view", "expand")), code
+    # the chains' arguments are constants, which Python builds once (no op lookups or lists per call)
+    chains = [line for line in code.splitlines() if "kernels_view_chain(" in line]
+    assert not any("torch.ops" in line or "[" in line or "{" in line for line in chains), code
 
 
 def _chain_of(captured, steps):
@@ -173,7 +176,7 @@ def _chain_of(captured, steps):
     for op, args, kwargs, index in steps:
         t = op(t, *args, **kwargs) if index is None else op(t, *args, **kwargs)[index]
     return (tuple(t.shape), t.stride(), t.storage_offset() - captured.storage_offset(),
-            tuple(captured.shape), captured.stride(), *steps)
+            tuple(captured.shape), captured.stride(), *(runtime.view_step(*s) for s in steps))
 
 
 @pytest.mark.parametrize("steps", [
@@ -346,3 +349,68 @@ def test_cuda_graph_symbolic_sizes_and_training_step():
         for p, q in zip(m.parameters(), ref.parameters()):
             assert_close_to_eager(p.grad, q.grad, scale=10)
             p.grad = q.grad = None
+
+
+class Cache(nn.Module):
+    """A KV-cache-like buffer written at a position each call, then read through a fused region.
+    `how`: "index" (cache[:, :, pos] = k, an index_put), "index_copy", "accumulate" (index_put with
+    accumulate: not an overwrite) or "read_before" (the old cache is also read by a region that runs
+    after the write: the write must not be in place)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.register_buffer("cache", torch.randn(2, 3, 37, 8))
+
+    def forward(self, k, pos):
+        old = self.cache * 2 if self.how == "read_before" else None
+        if self.how == "index_copy":
+            self.cache.index_copy_(2, pos, k)
+        elif self.how == "accumulate":
+            self.cache.index_put_((torch.arange(2, device=k.device)[:, None, None], torch.arange(3, device=k.device)[:, None], pos),
+                                  k, accumulate=True)
+        else:
+            self.cache[:, :, pos] = k
+        out = torch.softmax(self.cache.float() * 0.5, dim=-1).sum(-2)
+        return out if old is None else out + old.sum(-2)
+
+
+@pytest.mark.parametrize("how", ["index", "index_copy", "accumulate", "read_before"])
+def test_a_mutated_input_is_written_in_place_only_where_that_is_exact(device, how):
+    """A buffer written at new positions each call: outputs and the buffer follow eager's over calls.
+    An overwrite (index_put, index_copy) runs in place on the buffer, with no copy_ back; a write that
+    accumulates, or one whose old value a later kernel still reads, keeps the copy."""
+    torch.manual_seed(0)
+    m, ref = Cache(how).to(device), Cache(how).to(device)
+    ref.load_state_dict(m.state_dict())
+    fused = fuser.fuse(m, dynamic=False)
+    with torch.no_grad():
+        for p in ([5], [0], [36]):
+            k = torch.randn(2, 3, 1, 8, device=device)
+            pos = torch.tensor(p, device=device)
+            assert_close_to_eager(fused(k, pos), ref(k, pos))
+            assert_close_to_eager(m.cache, ref.cache)
+    code = fused.code
+    assert fused.report.fallback is None, fused.report.fallback
+    in_place = how in ("index", "index_copy")
+    copies_back = "Tensor_copy_(" in code or "aten.copy_" in code
+    assert copies_back != in_place, code
+    assert (any("written in place" in n for n in fused.report.notes)) == in_place
+    assert fused.report.regions  # the read after the write is fused
+
+
+@cuda
+def test_cuda_graph_replay_writes_a_buffer_in_place():
+    """Under CUDA graphs the in-place write of a buffer is part of the replay: the buffer and the
+    outputs follow eager's over calls."""
+    torch.manual_seed(0)
+    m, ref = Cache("index").cuda(), Cache("index").cuda()
+    ref.load_state_dict(m.state_dict())
+    fused = fuser.fuse(m, cuda_graphs=True, dynamic=False)
+    with torch.no_grad():
+        for p in range(6):
+            k = torch.randn(2, 3, 1, 8, device="cuda")
+            pos = torch.tensor([p * 5], device="cuda")
+            assert_close_to_eager(fused(k, pos), ref(k, pos))
+            assert_close_to_eager(m.cache, ref.cache)
+    assert any("replayed as CUDA graphs" in n for n in fused.report.notes), fused.report.notes

@@ -191,3 +191,22 @@ def test_attention_dropout_in_training(device):
     err = (mean - clean).abs().max().item() / clean.abs().max().item()
     assert err < 0.1, err  # 300 draws: the mean of the kept-and-scaled values is the clean output
     assert any("dropout_p=0.25" in n for n in _claims(fused)), _claims(fused)
+
+
+def test_bloom_attention_in_training_is_left_with_its_reason(device):
+    """BLOOM's GELU is a custom autograd.Function, which the claim's trace before autograd cannot keep
+    (its backward need not be its forward's gradient): the attention is left to its ops, the notes
+    name the reason, and the gradients are eager's.  (In inference its baddbmm(alibi, q, kᵀ) scores
+    are lowered to SDPA: test_attention.)"""
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=101, hidden_size=48, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0)).to(device)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 101, (2, 29), device=device)
+    fused = fuser.fuse(model)
+    fused(input_ids=ids, labels=ids).loss.backward()
+    twin(input_ids=ids, labels=ids).loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=2e-4, rtol=2e-4, msg=n)
+    notes = [n for r in fused.reports for n in r.notes]
+    assert any("left to its ops" in n and "autograd_function_apply" in n for n in notes), notes
