@@ -286,7 +286,9 @@ def _undo_math_path(q, k, v, c, scale: float):
     each scaled by sqrt(scale), and on CUDA 16-bit q, k, v (and a mask) cast to fp32 first.  The
     scales fold into SDPA's; the casts are dropped, so that SDPA runs on the program's 16-bit
     tensors, as the program's own SDPA call would in eager (its output is cast back to fp32 for the
-    graph).  Returns (q, k, v, c, scale, whether the casts were dropped)."""
+    graph).  Returns (q, k, v, c, scale, whether the casts were dropped).  Where q, k, v are such
+    casts but the mask is not one, raises NotExpressible: an fp32 SDPA beside the casts was slower
+    than the decomposition left to our regions (T5 on the H100, 2026-11-23)."""
     def factor(x):
         if packet(x) is aten.mul and isinstance(x.args[1], (int, float)) and len(x.users) == 1:
             return x.args[0], float(x.args[1])
@@ -300,6 +302,9 @@ def _undo_math_path(q, k, v, c, scale: float):
     low = all(isinstance(x, fx.Node) for x in casts) and len({meta(x).dtype for x in casts}) == 1 \
         and meta(casts[0]).dtype in (torch.float16, torch.bfloat16) and meta(q).dtype == torch.float32
     if not low:
+        if any(x is not None for x in casts[:3]):
+            raise NotExpressible("SDPA's math path over fp32 copies of 16-bit q, k, v with an fp32 mask: "
+                                 "left as decomposed")
         return q, k, v, c, scale, False
     return (*casts[:3], casts[3] if c is not None else None, scale, True)
 

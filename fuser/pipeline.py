@@ -56,7 +56,12 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     shared = share_kv_heads(gm)
     cg = ComputeGraph(gm.graph)
     # our kernel reads every operand on the query's device (a CPU scale tensor of Dynamo's is not)
-    attentions = [a for a in find(gm.graph, cg) if _one_device(a)] if attention else []
+    found = find(gm.graph, cg) if attention else []
+    attentions = [a for a in found if _one_device(a)]
+    for a in found:
+        if a not in attentions:
+            why = not_sdpa.get(a.out, "dropout, or operands on several devices")
+            report.notes.append(f"attention at {a.out.name} left to its ops (not SDPA, not our kernel): {why}")
     taken = {n for a in attentions for n in a.nodes}
     part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg)
     units, kernels, dropped = [], [], []
@@ -128,8 +133,9 @@ def _attention_kernel(att, cg, name: str) -> AttentionKernel:
 
 
 def _one_device(a) -> bool:
-    """Our kernel takes the unit: its operands on the query's device, and no dropout (not written)."""
-    return not a.dropout and all(meta(n).device == meta(a.q).device for n in a.inputs)
+    """Our kernel takes the unit: its operands on the query's device, no dropout (not written), and
+    not SDPA's math path (fully masked rows give 0 there, NaN in our kernel, as eager's softmax)."""
+    return not a.dropout and not a.safe and all(meta(n).device == meta(a.q).device for n in a.inputs)
 
 
 def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, static: tuple) -> dict:

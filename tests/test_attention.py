@@ -372,3 +372,20 @@ def test_sdpa_math_path_decomposed_by_the_tracer_is_fused_back(upcast, device):
     assert not [u for u in fused.report.unfused if "mul" in u.op or "bmm" in u.op], fused.report
     out = fused(q, k, v)
     assert torch.equal(out[1, :, 3], torch.zeros_like(out[1, :, 3]))  # the math path's 0, not NaN
+
+
+def test_sdpa_math_path_with_upcast_inputs_but_an_fp32_mask_is_left_decomposed(device):
+    """16-bit q, k, v upcast by the math path but an fp32 mask: no SDPA in fp32 beside the casts, and
+    not our kernel either (its fully masked rows would be NaN): left to the fused regions, the
+    reason in the report."""
+    torch.manual_seed(12)
+    q, k, v = (x.bfloat16() for x in _qkv(device, m=19, n=23))
+    bias = torch.randn(2, 3, 19, 23, device=device)
+
+    def attn(q, k, v):
+        out = torch.ops.aten._scaled_dot_product_attention_math(q.float(), k.float(), v.float(), bias, scale=0.3)[0]
+        return out.to(q.dtype)
+
+    fused = _check(attn, q, k, v, attention=0)
+    assert fused.report.regions  # the softmax is still fused
+    assert any("left to its ops" in n and "fp32 mask" in n for n in fused.report.notes), fused.report.notes
