@@ -30,7 +30,6 @@ probabilities (training, traced before autograd) is SDPA's `dropout_p`.
 from __future__ import annotations
 
 import math
-import uuid
 import weakref
 
 import torch
@@ -247,8 +246,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
     if fix_rows and checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
         fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
     if sources:
-        out = build(causal_or_masked, q, k, v, c, fixups[checked] if fix_rows else None, *sources,
-                    key=uuid.uuid4().hex, scale=scale)
+        out = build(causal_or_masked(), q, k, v, c, fixups[checked] if fix_rows else None, *sources, scale=scale)
     else:
         out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
         if fix_rows:
@@ -344,31 +342,35 @@ def _sources(mask: fx.Node) -> list:
     return sorted(found, key=lambda n: n.name)
 
 
-_DECIDED: dict[str, list] = {}  # key of a lowered attention -> [weak refs and versions of its inputs, causal?, rechecks]
 RECHECKS = 3  # inputs that are new tensors every call: checked this many times, then the mask is used as given
 
 
-def causal_or_masked(q, k, v, mask, nan_rows, *sources, key: str, scale: float):
-    """SDPA over a mask computed from parameters and buffers (nanoGPT's causal `bias` buffer).  Where
-    the mask is torch's causal mask (0 on and below the diagonal, <= -1e30 above), SDPA runs with
+def causal_or_masked():
+    """A new call site of SDPA over a mask computed from parameters and buffers (nanoGPT's causal
+    `bias` buffer), with its own decision (kept by the compiled graph that calls it, gone with it).
+    Where the mask is torch's causal mask (0 on and below the diagonal, <= -1e30 above), SDPA runs with
     is_causal=True: the flash kernel, no mask read, half the tiles.  The check (one comparison and a
     host sync) runs again only when an input the mask is made from is another tensor or was written
     in place (its version), at most RECHECKS times; else the mask (clamped in the graph) is applied
     as given, and `nan_rows` (rows of -inf) give NaN as eager's do."""
-    gqa = q.shape[1] != k.shape[1]
-    if not isinstance(q, FakeTensor):
-        seen = _DECIDED.get(key)
-        same = seen is not None and all(r() is x and ver == x._version for (r, ver), x in zip(seen[0], sources))
-        if not same and (seen is None or seen[2] < RECHECKS):
-            stamp = [(weakref.ref(x), x._version) for x in sources]
-            seen = _DECIDED[key] = [stamp, _is_causal(mask, q.shape[2], k.shape[2]), 0 if seen is None else seen[2] + 1]
-            same = True
-        if same and seen[1]:
-            return aten.scaled_dot_product_attention.default(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    if gqa:  # the memory-efficient kernel (the one taking a mask) has no GQA
-        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
-    out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=scale)
-    return out if nan_rows is None else torch.where(nan_rows, float("nan"), out)
+    seen = []  # [weak refs and versions of the mask's inputs, causal?, rechecks], once decided
+
+    def causal_or_masked(q, k, v, mask, nan_rows, *sources, scale: float):
+        gqa = q.shape[1] != k.shape[1]
+        if not isinstance(q, FakeTensor):
+            same = bool(seen) and all(r() is x and ver == x._version for (r, ver), x in zip(seen[0], sources))
+            if not same and (not seen or seen[2] < RECHECKS):
+                stamp = [(weakref.ref(x), x._version) for x in sources]
+                seen[:] = [stamp, _is_causal(mask, q.shape[2], k.shape[2]), seen[2] + 1 if seen else 0]
+                same = True
+            if same and seen[1]:
+                return aten.scaled_dot_product_attention.default(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        if gqa:  # the memory-efficient kernel (the one taking a mask) has no GQA
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
+        out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=scale)
+        return out if nan_rows is None else torch.where(nan_rows, float("nan"), out)
+    causal_or_masked.causal_check = True
+    return causal_or_masked
 
 
 def _is_causal(mask: torch.Tensor, m: int, n: int) -> bool:

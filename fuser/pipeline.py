@@ -158,7 +158,8 @@ def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, s
         entry.source, entry.lowering = text, "sdpa (the score chain is a scale and an additive mask)"
         report.regions.append(entry)
         changed += made
-        calls.update(n for n in made if n.target in (aten.scaled_dot_product_attention.default, sdpa.causal_or_masked))
+        calls.update(n for n in made if n.target is aten.scaled_dot_product_attention.default
+                     or getattr(n.target, "causal_check", False))
         log.debug("attention %s lowered to %s", a.out.name, text)
     if changed:
         gm.graph.eliminate_dead_code()  # a mask that became is_causal, the eager masks no attention reads now

@@ -758,7 +758,8 @@ def write_inputs_in_place(graph) -> list[str]:
             continue
         dst, new = c.args[:2]
         if dst.op != "placeholder" or new.target not in _IN_PLACE or new.args[0] is not dst \
-                or _accumulates(new) or not _same_layout(meta(new), meta(dst)) or _reads(new, dst):
+                or _accumulates(new) or not _same_layout(meta(new), meta(dst)) or _reads(new, dst) \
+                or any(u.op == "output" for u in new.users):  # returned too: it stays a tensor of its own
             continue
         views = {dst}
         for n in nodes[pos[dst] + 1:]:
