@@ -575,6 +575,11 @@ _BINDINGS = {
     aten.baddbmm.default: torch.baddbmm, aten.convolution.default: torch.convolution,
     aten.embedding.default: torch.embedding, aten.index_select.default: torch.index_select,
     aten.clone.default: torch.clone, aten.copy_.default: torch.Tensor.copy_,
+    # views fast_views left (over symbolic sizes: graphs of fuse(dynamic=True), or after a recompile)
+    aten.view.default: torch.Tensor.view, aten.reshape.default: torch.reshape, aten.permute.default: torch.permute,
+    aten.expand.default: torch.Tensor.expand, aten.unsqueeze.default: torch.unsqueeze,
+    aten.squeeze.dim: torch.squeeze, aten.transpose.int: torch.transpose, aten.t.default: torch.t,
+    aten.select.int: torch.select, aten.split_with_sizes.default: torch.split_with_sizes,
     aten.sum.dim_IntList: torch.sum,
     aten.scaled_dot_product_attention.default: torch._C._nn.scaled_dot_product_attention,
     aten._scaled_dot_product_efficient_attention.default: torch._scaled_dot_product_efficient_attention,
