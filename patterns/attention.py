@@ -53,8 +53,10 @@ class Attention:
     kind = "attention"
 
 
-def _operand4(n, dims4):
-    """The 4-D tensor behind a bmm operand `view(expand/clone(x))`, and the nodes walked."""
+def _operand4(n, dims4, shared_heads: bool = False):
+    """The 4-D tensor behind a bmm operand `view(expand/clone(x))`, and the nodes walked.
+    `shared_heads` (K and V): x may have one head that the expand broadcasts to all (multi-query
+    attention written with broadcasting, Falcon's), returned as it is."""
     walked = []
     if packet(n) not in _VIEW:
         return None, walked
@@ -63,7 +65,12 @@ def _operand4(n, dims4):
     while packet(n) in _SAME and shape(n) == dims4:
         walked.append(n)
         n = n.args[0]
-    return (n if shape(n) == dims4 else None), walked
+    if shape(n) == dims4:
+        return n, walked
+    one_head = (dims4[0], 1, *dims4[2:])
+    if shared_heads and walked and packet(walked[-1]) is aten.expand and tuple(shape(n)) == one_head:
+        return n, walked
+    return None, walked
 
 
 def _undo_repeat_kv(kv, walked):
@@ -221,8 +228,9 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     if p is None:
         return None
     dropout = 0.0
-    while len(shape(p)) == 4:  # casts, dropout(eval); dropout in training (traced before autograd)
-        if packet(p) in (aten._to_copy, aten.clone, aten.alias):
+    while len(shape(p)) == 4:  # casts, same-shape views (Falcon), dropout(eval); dropout in training
+        if packet(p) in (aten._to_copy, aten.clone, aten.alias) or (
+                packet(p) in _VIEW and isinstance(p.args[0], fx.Node) and shape(p.args[0]) == shape(p)):
             walked_p.append(p)
             p = p.args[0]
         elif not dropout and (found := _dropout(p)) is not None:
@@ -238,7 +246,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     if x is None:
         return None
     n = shape(x)[-1]
-    v, walked_v = _operand4(pv.args[1], (b, h, n, d))
+    v, walked_v = _operand4(pv.args[1], (b, h, n, d), shared_heads=True)
     if v is None:
         return None
     v = _undo_repeat_kv(v, walked_v)
@@ -254,7 +262,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
         return None
     chain, extras = found
     q, walked_q = _operand4(qk.args[0], (b, h, m, d))
-    kt, walked_k = _operand4(qk.args[1], (b, h, d, n))
+    kt, walked_k = _operand4(qk.args[1], (b, h, d, n), shared_heads=True)
     if q is None or kt is None or not _swaps_last_two(kt):
         return None
     walked_k.append(kt)
@@ -292,7 +300,8 @@ def normalize_attention(graph: fx.Graph) -> int:
       max within a few ops, so that Q·Kᵀ is a bmm and the bias is in the chain (fuser's
       decompositions keep baddbmm whole: elsewhere it stays one cuBLAS call);
     - Kᵀ made by one permute of another layout (BLOOM's `k.permute(0, 2, 3, 1)` of [B, N, H, D]):
-      split into the permute to K ([B, H, N, D]) and the swap of its last two dims."""
+      split into the permute to K ([B, H, N, D]) and the swap of its last two dims;
+    - views to the shape a tensor already has, on the way to a softmax, dropped."""
     done, mode = 0, None
     for n in list(graph.nodes):
         if packet(n) is not aten.baddbmm or len(n.users) != 1 or not _reaches_softmax(n):
@@ -323,7 +332,7 @@ def normalize_attention(graph: fx.Graph) -> int:
         graph.erase_node(view)
         graph.erase_node(n)
         done += 1
-    return done + _split_kt_permutes(graph)
+    return done + _split_kt_permutes(graph) + _drop_identity_views(graph)
 
 
 def _split_kt_permutes(graph: fx.Graph) -> int:
@@ -371,6 +380,20 @@ def _split_kt_permutes(graph: fx.Graph) -> int:
         else:
             continue
         done += 1
+    return done
+
+
+def _drop_identity_views(graph: fx.Graph) -> int:
+    """A view to the shape a tensor already has (Falcon views its 4-D scores to the same 4-D shape)
+    is the tensor itself: its readers read the tensor, so the score chain is pointwise end to end."""
+    done = 0
+    for n in list(graph.nodes):
+        if packet(n) in _VIEW and isinstance(n.args[0], fx.Node) and meta(n) is not None \
+                and meta(n.args[0]) is not None and tuple(shape(n)) == tuple(shape(n.args[0])) \
+                and meta(n).stride() == meta(n.args[0]).stride() and _reaches_softmax(n):
+            n.replace_all_uses_with(n.args[0])
+            graph.erase_node(n)
+            done += 1
     return done
 
 

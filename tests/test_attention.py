@@ -137,13 +137,19 @@ def test_mask_computed_from_v_is_not_rewritten(device):
     _check(attn, q, k, v, attention=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "bloom"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "bloom", "falcon"])
 def test_hf_eager_attention_is_recognised(name, device):
     """BLOOM writes its scores as baddbmm(alibi, q, kᵀ) over [B·H, ., .] with Kᵀ transposed after
-    that view: the ALiBi bias joins the additive mask."""
+    that view: the ALiBi bias joins the additive mask.  Falcon (ALiBi, multi-query) broadcasts its
+    one K/V head to all query heads and views its scores to the shape they have."""
     torch.manual_seed(6)
     kw = {}
-    if name == "bloom":
+    if name == "falcon":
+        model = transformers.FalconForCausalLM(transformers.FalconConfig(
+            vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True))
+        kw["attention_mask"] = torch.ones(2, 37, dtype=torch.long, device=device)
+        kw["attention_mask"][1, :6] = 0
+    elif name == "bloom":
         model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=97, hidden_size=64, n_layer=2, n_head=4))
         kw["attention_mask"] = torch.ones(2, 37, dtype=torch.long, device=device)
         kw["attention_mask"][1, :6] = 0  # left padding
@@ -169,7 +175,7 @@ def test_hf_eager_attention_is_recognised(name, device):
     regions = _attention_regions(fused)
     assert all(r.kernel == "sdpa" for r in regions), str(fused.report)
     assert fused.report.fallback is None, fused.report.fallback
-    if name in ("bert", "bloom"):  # a padding mask is data: never taken for a causal structure
+    if name in ("bert", "bloom", "falcon"):  # a padding mask is data: never taken for a causal structure
         assert not any("is_causal=True" in r.source for r in regions)
     if name in ("llama", "gpt2"):  # HF's mask where(keep, 0, finfo.min) is finite: no NaN fix-up
         assert not any("NaN" in r.source for r in regions)
