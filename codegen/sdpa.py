@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fuser.graph import constant_value, fake_mode_of, fake_value, meta, operands, packet, real_tensors, shape
+from fuser.graph import constant_value, fake_mode_of, insert, meta, operands, packet, real_tensors, shape
 
 aten = torch.ops.aten
 ABSORBING = 1e30  # |fill| at which fp32 a*s + fill == fill for any score below 1e22
@@ -71,10 +71,8 @@ class _Builder:
         self.mode = fake_mode_of(graph)
 
     def __call__(self, target, *args, **kwargs) -> fx.Node:
-        with self.graph.inserting_before(self.before):
-            n = self.graph.call_function(target, args, kwargs)
+        n = insert(self.graph, self.before, self.mode, target, *args, **kwargs)
         self.made.append(n)
-        n.meta["val"] = fake_value(n, self.mode)
         return n
 
     def undo(self):

@@ -18,36 +18,26 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
-from .graph import fake_mode_of, fake_value, meta, packet, refresh_fake
+from fuser.patterns.attention import undo_repeat_kv
+
+from .graph import fake_mode_of, insert, refresh_fake, shape
 
 aten = torch.ops.aten
 # SDPA as AOT Autograd leaves it (one op per backend, chosen at trace time), and as our lowering emits it
 _SDPA = {aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
          aten._scaled_dot_product_flash_attention_for_cpu.default, aten.scaled_dot_product_attention.default}
-_VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
 
 
-def repeated(n) -> tuple[fx.Node, int] | None:
-    """(x, g) when n is x [B, Hkv, S, D] with each head repeated g times: view(clone(expand(
-    unsqueeze(x, 2), [B, Hkv, g, S, D])), [B, Hkv*g, S, D]), at static sizes."""
-    if packet(n) not in _VIEWS or packet(n.args[0]) is not aten.clone:
+def shared(q, kv) -> fx.Node | None:
+    """The K or V that repeat_kv copied to each of q's heads (patterns' undo_repeat_kv), when its
+    heads map onto q's as enable_gqa maps them (head h reads h // g), else None."""
+    x = undo_repeat_kv(kv, [])
+    if x is kv:
         return None
-    e = n.args[0].args[0]
-    if packet(e) is not aten.expand or packet(e.args[0]) is not aten.unsqueeze or e.args[0].args[1] not in (2, -3):
+    (b, h), (bx, hx) = shape(q)[:2], shape(x)[:2]
+    if bx != b or shape(x)[2:] != shape(kv)[2:] or shape(kv)[1] != h or not (h / hx).is_Integer:
         return None
-    x = e.args[0].args[0]
-    xs, es = _static(x), _static(e)
-    if xs is None or es is None or len(xs) != 4 or es != (xs[0], xs[1], es[2], xs[2], xs[3]):
-        return None
-    if _static(n) != (xs[0], xs[1] * es[2], xs[2], xs[3]):
-        return None
-    return x, es[2]
-
-
-def _static(n) -> tuple | None:
-    """n's shape as ints, or None where a size varies."""
-    s = tuple(meta(n).shape) if meta(n) is not None else None
-    return s if s is not None and all(isinstance(x, int) for x in s) else None
+    return x
 
 
 def share_kv_heads(gm: fx.GraphModule) -> list[str]:
@@ -60,23 +50,20 @@ def share_kv_heads(gm: fx.GraphModule) -> list[str]:
             continue
         a = normalize_function(n.target, n.args, n.kwargs, normalize_to_only_use_kwargs=True).kwargs
         q, k, v = a["query"], a["key"], a["value"]
-        rk, rv = repeated(k), repeated(v)
-        if rk is None or rv is None or rk[1] != rv[1] or a.get("dropout_p", 0.0) or a.get("enable_gqa", False):
-            continue
-        if _static(q) is None or _static(q)[2] != 1:
+        k0, v0 = shared(q, k), shared(q, v)
+        if k0 is None or v0 is None or shape(k0)[1] != shape(v0)[1] or a.get("dropout_p", 0.0) \
+                or a.get("enable_gqa", False) or shape(q)[2] != 1:
             continue
         users = [n] if n.target is aten.scaled_dot_product_attention.default else list(n.users)
         if n.target is not aten.scaled_dot_product_attention.default and any(
                 u.target is not operator.getitem or u.args[1] != 0 for u in users):
             continue  # the log-sum-exp is used (a forward saving it for a backward)
         mode = mode or fake_mode_of(gm.graph)
-        with gm.graph.inserting_before(n):
-            out = gm.graph.call_function(aten.scaled_dot_product_attention.default, (q, rk[0], rv[0]), {
-                "attn_mask": a.get("attn_mask", a.get("attn_bias")), "is_causal": a.get("is_causal", False),
-                "scale": a.get("scale"), "enable_gqa": True})
-            out.meta["val"] = fake_value(out, mode)
+        out = insert(gm.graph, n, mode, aten.scaled_dot_product_attention.default, q, k0, v0,
+                     attn_mask=a.get("attn_mask", a.get("attn_bias")), is_causal=a.get("is_causal", False),
+                     scale=a.get("scale"), enable_gqa=True)
         made.append(out)
-        notes.append(f"{n.name}: {_static(q)[1]} query heads over {_static(rk[0])[1]} KV heads (enable_gqa)")
+        notes.append(f"{n.name}: {shape(q)[1]} query heads over {shape(k0)[1]} KV heads (enable_gqa)")
         for u in users:
             u.replace_all_uses_with(out)
             if u is not n:

@@ -70,6 +70,14 @@ def fake_value(n: fx.Node, mode):
         return n.target(*args, **kwargs)
 
 
+def insert(graph: fx.Graph, before: fx.Node, mode, target, *args, **kwargs) -> fx.Node:
+    """A call of `target` inserted before `before`, with its fake tensor (computed under `mode`)."""
+    with graph.inserting_before(before):
+        n = graph.call_function(target, args, kwargs)
+    n.meta["val"] = fake_value(n, mode)
+    return n
+
+
 def refresh_fake(gm: fx.GraphModule, changed: list):
     """The fake tensors of `changed` nodes and of everything downstream of them, again (a rewrite
     that changes a value's strides changes its readers'); the rest keep theirs."""

@@ -51,6 +51,8 @@ from .graph import meta
 from .plan import TensorSig, block_plan
 from .region import Region, persistent_at
 
+aten = torch.ops.aten
+
 log = logging.getLogger("fuser")
 _loaded: dict[tuple, object] = {}
 _lock = threading.Lock()
@@ -563,7 +565,6 @@ _MULTI_VIEWS = {torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.def
 reinterpret = named("reinterpret", torch._C._dynamo.guards._reinterpret_tensor, returns_args=slice(0, 1))
 
 
-aten = torch.ops.aten
 # ATen overloads the wrapper calls through torch's public bindings: the same kernel, its arguments
 # parsed in C++ (OpOverload.__call__ adds a Python frame and pybind's schema matching: aten.mm.default
 # takes 2.7 us of host time against torch.mm's 1.6 on this project's CPU).  Each binding takes the
@@ -739,10 +740,8 @@ def reuse_buffers(graph, allocations: set) -> int:
 
 
 # functional overwrites of some elements of a tensor -> their in-place forms
-_IN_PLACE = {torch.ops.aten.index_put.default: torch.ops.aten.index_put_.default,
-             torch.ops.aten.index_copy.default: torch.ops.aten.index_copy_.default,
-             torch.ops.aten.scatter.src: torch.ops.aten.scatter_.src,
-             torch.ops.aten.scatter.value: torch.ops.aten.scatter_.value}
+_IN_PLACE = {aten.index_put.default: aten.index_put_.default, aten.index_copy.default: aten.index_copy_.default,
+             aten.scatter.src: aten.scatter_.src, aten.scatter.value: aten.scatter_.value}
 
 
 def write_inputs_in_place(graph) -> list[str]:
@@ -759,7 +758,7 @@ def write_inputs_in_place(graph) -> list[str]:
     pos = {n: i for i, n in enumerate(nodes)}
     done = []
     for c in nodes:
-        if c.target is not torch.ops.aten.copy_.default or not isinstance(c.args[1], torch.fx.Node):
+        if c.target is not aten.copy_.default or not isinstance(c.args[1], torch.fx.Node):
             continue
         dst, new = c.args[:2]
         if dst.op != "placeholder" or new.target not in _IN_PLACE or new.args[0] is not dst \
@@ -780,7 +779,7 @@ def write_inputs_in_place(graph) -> list[str]:
 
 
 def _accumulates(n) -> bool:
-    return n.target is torch.ops.aten.index_put.default and bool(n.kwargs.get("accumulate", n.args[3] if len(n.args) > 3 else False))
+    return n.target is aten.index_put.default and bool(n.kwargs.get("accumulate", n.args[3] if len(n.args) > 3 else False))
 
 
 def _same_layout(a, b) -> bool:

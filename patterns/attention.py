@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from fuser import ops
 from fuser.indexing import broadcast_shapes
-from fuser.graph import (ComputeGraph, fake_mode_of, fake_value, fold_into, packet, is_generator, meta, operands,
+from fuser.graph import (ComputeGraph, fake_mode_of, fold_into, insert, packet, is_generator, meta, operands,
                          real_tensors, run_node, shape)
 
 aten = torch.ops.aten
@@ -73,7 +73,7 @@ def _operand4(n, dims4, shared_heads: bool = False):
     return None, walked
 
 
-def _undo_repeat_kv(kv, walked):
+def undo_repeat_kv(kv, walked):
     """view(clone(expand(unsqueeze(x, 2)))) -> x: the kernel maps query heads onto shared K/V heads."""
     n, seen = kv, []
     if packet(n) in _VIEW:
@@ -85,7 +85,7 @@ def _undo_repeat_kv(kv, walked):
         if packet(n) is aten.expand and len(shape(n)) == 5:
             seen.append(n)
             n = n.args[0]
-            if packet(n) is aten.unsqueeze and n.args[1] == 2:
+            if packet(n) is aten.unsqueeze and n.args[1] in (2, -3):
                 seen.append(n)
                 walked.extend(seen)
                 return n.args[0]
@@ -249,7 +249,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     v, walked_v = _operand4(pv.args[1], (b, h, n, d), shared_heads=True)
     if v is None:
         return None
-    v = _undo_repeat_kv(v, walked_v)
+    v = undo_repeat_kv(v, walked_v)
     # walk back from the softmax input to Q·Kᵀ
     candidates = [a for a in _ancestors(x, 0, cg) if packet(a) is aten.bmm and len(a.users) == 1
                   and packet(next(iter(a.users))) in _VIEW and shape(next(iter(a.users))) == (b, h, m, n)]
@@ -266,7 +266,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     if q is None or kt is None or not _swaps_last_two(kt):
         return None
     walked_k.append(kt)
-    k = _undo_repeat_kv(kt.args[0], walked_k)
+    k = undo_repeat_kv(kt.args[0], walked_k)
     if shape(k)[:2] != (b, shape(v)[1]) or shape(k)[2:] != (n, d) or shape(v)[1] == 0 or h % shape(v)[1]:
         return None
     if meta(q).dtype != meta(k).dtype or meta(k).dtype != meta(v).dtype:
@@ -316,18 +316,15 @@ def normalize_attention(graph: fx.Graph) -> int:
             continue
         beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)  # keyword-only in the schema
         mode = mode or fake_mode_of(graph)
-        with graph.inserting_before(view):
-            def call(target, *args):
-                new = graph.call_function(target, args)
-                new.meta["val"] = fake_value(new, mode)
-                return new
-            s4 = call(aten.view.default, call(aten.bmm.default, q, kt), [b, h, m, k])
-            s4 = s4 if alpha == 1 else call(aten.mul.Tensor, s4, alpha)
-            out = s4
-            if beta != 0:  # else baddbmm ignores the input (even its NaN)
-                bias4 = call(aten.view.default, bias, [b if lead[0] != 1 else 1, h if lead[0] != 1 else 1,
-                                                       *shape(bias)[1:]])
-                out = call(aten.add.Tensor, s4, bias4 if beta == 1 else call(aten.mul.Tensor, bias4, beta))
+
+        def call(target, *args):
+            return insert(graph, view, mode, target, *args)
+        s4 = call(aten.view.default, call(aten.bmm.default, q, kt), [b, h, m, k])
+        s4 = s4 if alpha == 1 else call(aten.mul.Tensor, s4, alpha)
+        out = s4
+        if beta != 0:  # else baddbmm ignores the input (even its NaN)
+            bias4 = call(aten.view.default, bias, [b if lead[0] != 1 else 1, h if lead[0] != 1 else 1, *shape(bias)[1:]])
+            out = call(aten.add.Tensor, s4, bias4 if beta == 1 else call(aten.mul.Tensor, bias4, beta))
         view.replace_all_uses_with(out)
         graph.erase_node(view)
         graph.erase_node(n)
@@ -348,16 +345,11 @@ def _split_kt_permutes(graph: fx.Graph) -> int:
             walked.append(walked[-1].args[0])
         kt = walked[-1]
         mode = mode or fake_mode_of(graph)
-
-        def call(*args, before):
-            with graph.inserting_before(before):
-                new = graph.call_function(*args)
-            new.meta["val"] = fake_value(new, mode)
-            return new
         if packet(kt) is aten.mul and isinstance(kt.args[1], (int, float)) and packet(kt.args[0]) is aten.permute \
                 and len(kt.users) == 1:
             perm = kt.args[0]
-            moved = call(perm.target, (call(kt.target, (perm.args[0], kt.args[1]), before=kt), *perm.args[1:]), before=kt)
+            moved = insert(graph, kt, mode, perm.target, insert(graph, kt, mode, kt.target, perm.args[0], kt.args[1]),
+                           *perm.args[1:])
             kt.replace_all_uses_with(moved)
             graph.erase_node(kt)
             if not perm.users:
@@ -371,12 +363,12 @@ def _split_kt_permutes(graph: fx.Graph) -> int:
         else:
             continue
         if len(p) == 4:
-            k = call(aten.permute.default, (kt.args[0], [p[0], p[1], p[3], p[2]]), before=kt)
-            kt.replace_all_uses_with(call(aten.permute.default, (k, [0, 1, 3, 2]), before=kt))
+            k = insert(graph, kt, mode, aten.permute.default, kt.args[0], [p[0], p[1], p[3], p[2]])
+            kt.replace_all_uses_with(insert(graph, kt, mode, aten.permute.default, k, [0, 1, 3, 2]))
             graph.erase_node(kt)
         elif p == [0, 2, 1] and kt is n.args[1] and (x4 := _four_d(kt.args[0])) is not None:
-            kt4 = call(aten.permute.default, (x4, [0, 1, 3, 2]), before=n)
-            n.replace_input_with(kt, call(aten.reshape.default, (kt4, list(shape(kt))), before=n))
+            kt4 = insert(graph, n, mode, aten.permute.default, x4, [0, 1, 3, 2])
+            n.replace_input_with(kt, insert(graph, n, mode, aten.reshape.default, kt4, list(shape(kt))))
         else:
             continue
         done += 1
