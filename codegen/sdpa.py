@@ -204,7 +204,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
         scale, c, factors = _mask(att, build)
         low = False
         if att.safe:
-            q, k, v, c, scale, low = _undo_math_path(q, k, v, c, scale)
+            q, k, v, c, scale, low = _undo_math_path(build, q, k, v, c, scale)
         causal, value, checked, sources = False, None, None, []
         if c is not None:
             value = constant_value(c) if m.is_Integer and shape(k)[2].is_Integer else None
@@ -277,14 +277,15 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
     return "scaled_dot_product_attention: " + ", ".join(text), build.made
 
 
-def _undo_math_path(q, k, v, c, scale: float):
+def _undo_math_path(build, q, k, v, c, scale: float):
     """SDPA's math path, decomposed by the tracer (it picked no fused kernel for fake tensors): q and k
-    each scaled by sqrt(scale), and on CUDA 16-bit q, k, v (and a mask) cast to fp32 first.  The
-    scales fold into SDPA's; the casts are dropped, so that SDPA runs on the program's 16-bit
-    tensors, as the program's own SDPA call would in eager (its output is cast back to fp32 for the
-    graph).  Returns (q, k, v, c, scale, whether the casts were dropped).  Where q, k, v are such
-    casts but the mask is not one, raises NotExpressible: an fp32 SDPA beside the casts was slower
-    than the decomposition left to our regions (T5 on the H100, 2026-11-23)."""
+    each scaled by sqrt(scale), and 16-bit q, k, v cast to fp32 first (the mask promoted by the add,
+    or cast).  The scales fold into SDPA's; the casts are dropped, so that SDPA runs on the program's
+    16-bit tensors, as the program's own SDPA call would in eager (its output is cast back to fp32 for
+    the graph).  Returns (q, k, v, c, scale, whether the casts were dropped).  Where q, k, v are such
+    casts but the mask holds fp32 values (T5's position bias, Falcon's ALiBi), raises NotExpressible:
+    SDPA would round the mask to 16 bits, and an fp32 SDPA beside the casts was slower than the
+    decomposition left to our regions (T5 on the H100, 2026-11-23)."""
     def factor(x):
         if packet(x) is aten.mul and isinstance(x.args[1], (int, float)) and len(x.users) == 1:
             return x.args[0], float(x.args[1])
@@ -294,15 +295,35 @@ def _undo_math_path(q, k, v, c, scale: float):
         return x.args[0] if packet(x) in (aten._to_copy, torch.ops.prims.convert_element_type) else None
     (q, a), (k, b) = factor(q), factor(k)
     scale *= a * b
-    casts = [source(x) for x in (q, k, v, *([c] if c is not None else []))]
-    low = all(isinstance(x, fx.Node) for x in casts) and len({meta(x).dtype for x in casts}) == 1 \
-        and meta(casts[0]).dtype in (torch.float16, torch.bfloat16) and meta(q).dtype == torch.float32
-    if not low:
-        if any(x is not None for x in casts[:3]):
-            raise NotExpressible("SDPA's math path over fp32 copies of 16-bit q, k, v with an fp32 mask: "
-                                 "left as decomposed")
+    casts = [source(x) for x in (q, k, v)]
+    if not all(isinstance(x, fx.Node) for x in casts):
+        if any(x is not None for x in casts):
+            raise NotExpressible("SDPA's math path over fp32 copies of only some of q, k, v: left as decomposed")
         return q, k, v, c, scale, False
-    return (*casts[:3], casts[3] if c is not None else None, scale, True)
+    low = meta(casts[0]).dtype
+    if {meta(x).dtype for x in casts} != {low} or low not in (torch.float16, torch.bfloat16) \
+            or meta(q).dtype != torch.float32:
+        raise NotExpressible("SDPA's math path over fp32 copies of q, k, v of mixed dtypes: left as decomposed")
+    if c is not None:
+        c = _in_dtype(build, c, low)
+        if c is None:
+            raise NotExpressible(f"SDPA's math path over fp32 copies of {low} q, k, v with an fp32 mask "
+                                 f"(SDPA would round it to {low}): left as decomposed")
+    return (*casts, c, scale, True)
+
+
+def _in_dtype(build, c: fx.Node, dtype):
+    """The mask `c` of an upcast math path in `dtype` without changing a value: c itself (promoted by
+    the add), the tensor it was cast from, or a where between numbers `dtype` holds exactly (a
+    boolean mask made additive: 0 and -inf); else None."""
+    if meta(c).dtype == dtype:
+        return c
+    if packet(c) in (aten._to_copy, torch.ops.prims.convert_element_type) and meta(c.args[0]).dtype == dtype:
+        return c.args[0]
+    if packet(c) is aten.where and all(_number(x) is not None and torch.tensor(_number(x), dtype=dtype).item() == _number(x)
+                                       for x in c.args[1:]):
+        return build(aten._to_copy.default, c, dtype=dtype)
+    return None
 
 
 def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:
