@@ -180,6 +180,7 @@ def _int_spec(a: int) -> tuple:
 
 
 WIDE = 2**31  # offsets from here on need 64-bit index math
+BOUND_SIZES = 64  # size values per symbolic kernel whose call is kept bound (RegionKernel._bind_sizes)
 CONSTANT_ROWS = 4  # row lengths of a looped reduction that get a variant with the length built in
 
 
@@ -234,6 +235,7 @@ class RegionKernel(torch.nn.Module):
         self.checked = tuple(range(len(self.in_sigs)))  # inputs `into` compares (the rewrite narrows it)
         self.moved = {i for i, n in enumerate(region.inputs) if meta(n).device != self.device}  # 0-d CPU scalars
         self._plans: dict = {}  # (rows, r) -> launch config, for kernels over symbolic sizes
+        self._at: dict = {}  # size values -> the call at those sizes, bound (_bind_sizes)
         self._rows_constant: set = set()  # row lengths with a variant of their own (_constant_row)
         self.variants: dict = {}
         if self.symbols:
@@ -314,7 +316,7 @@ class RegionKernel(torch.nn.Module):
         return dict(zip(self.symbols, self.seen))
 
     def _run_dynamic(self, inputs, values, device):
-        self.seen = values
+        object.__setattr__(self, "seen", values)  # not nn.Module's __setattr__: microseconds a call
         in_shapes, in_strides, out_shapes, out_strides, rows, r = self._shapes_at(*values)
         generic = []
         for i, (t, shp, st, sig) in enumerate(zip(inputs, in_shapes, in_strides, self.in_sigs)):
@@ -344,18 +346,29 @@ class RegionKernel(torch.nn.Module):
     # ------------------------------------------------------------------ launch
     def forward(self, *args):
         """The general entry (kernels over symbolic sizes, and any direct call): checks every input,
-        allocates the outputs, launches; returns the outputs."""
+        allocates the outputs, launches; returns the outputs.  Over symbolic sizes, a call at sizes
+        seen before takes the call bound for them (_bind_sizes) when its inputs match."""
+        if self.symbols:
+            bound = self._at.get(args[len(self.in_sigs):])
+            if bound is not None:
+                outs = bound(args)
+                if outs is not None:
+                    return outs
         inputs = args[:len(self.in_sigs)]
         device = next((t.device for t in inputs if t.dim() > 0), self.device)
         if device.type != self.device_type:
             raise RuntimeError(f"{self.name}: made for {self.device_type} tensors, given {device.type} ones")
-        if any(t.device != device for t in inputs):
+        moved = any(t.device != device for t in inputs)
+        if moved:
             inputs = [t.to(device) for t in inputs]  # 0-d CPU scalars
         if self.symbols:
-            outs, launch = self._run_dynamic(inputs, args[len(self.in_sigs):], device)
+            values = args[len(self.in_sigs):]
+            outs, launch = self._run_dynamic(inputs, values, device)
             if launch is None:
                 return tuple(outs)
             variant, plan, sizes = launch
+            if not moved and not any(p[0] == "stride" for p in variant.params):
+                self._bind_sizes(values, inputs, outs, variant, plan, sizes, device)
         else:
             if len(args) != len(self.in_sigs):
                 raise TypeError(f"{self.name}: expected {len(self.in_sigs)} tensors, got {len(args)}")
@@ -367,6 +380,44 @@ class RegionKernel(torch.nn.Module):
             plan, sizes = self._plan, []
         self._launch(variant, plan, inputs, outs, sizes, device)
         return tuple(outs)
+
+    def _bind_sizes(self, values: tuple, inputs, outs, variant, plan, sizes, device):
+        """The call at these size values, bound: what _run_dynamic worked out (the inputs' and
+        outputs' layouts, the variant, the launch config, the size arguments) kept, so that a later
+        call at the same sizes is a comparison of each input's layout with this call's, the outputs'
+        allocation and the launch; on CUDA, once compiled, the compiled kernel is launched directly
+        (as _bound_into).  An input in another layout (or a launch hook, another current device, an
+        unaligned pointer) returns None: the general path.  At most BOUND_SIZES sizes are kept
+        (then the oldest goes): a length that changes every call keeps the general path's cost."""
+        n, n_in = len(self.out_sigs), len(self.in_sigs)
+        checks = tuple((t.shape, t.stride(), t.dtype) for t in inputs)
+        made = tuple((tuple(o.shape), o.stride(), o.dtype) for o in outs)
+        alloc = allocator(device)
+        launcher = variant.launcher(plan, device.type, self.reduction)
+        key = (True,) * (len(inputs) + n) + tuple(_int_spec(a) for a in sizes)
+        grid, constexprs, index, name = plan.programs, launcher.constexprs, device.index, self.name
+        compiled_path = device.type == "cuda" and not variant.src.checks
+        launch = self._launch
+
+        def call(args):
+            for t, (shape, stride, dtype) in zip(args, checks):
+                if t.shape != shape or t.stride() != stride or t.dtype != dtype:
+                    return None
+            object.__setattr__(self, "seen", values)
+            ins = args[:n_in]
+            new = [alloc(*m) for m in made]
+            compiled = launcher.compiled.get(key) if compiled_path else None
+            if compiled is None or _current_device() != index or not _no_launch_hooks() \
+                    or any(t.data_ptr() % 16 for t in ins):
+                launch(variant, plan, ins, new, sizes, device)
+            else:
+                compiled.run(grid, 1, 1, _raw_stream(index), compiled.function, compiled.packed_metadata,
+                             None, None, None, *ins, *new, *sizes, *constexprs)
+            return tuple(new)
+        call.__name__ = f"{name}_at_{'_'.join(map(str, values))}"
+        if len(self._at) >= BOUND_SIZES:
+            del self._at[next(iter(self._at))]
+        self._at[values] = call
 
     def into(self, *args):
         """The per-graph wrapper's entry for a kernel over static sizes: the inputs, then output

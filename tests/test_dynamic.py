@@ -132,6 +132,35 @@ def test_non_contiguous_inputs_at_symbolic_sizes(device):
     assert any(key[2] for key in kernel.variants)  # the generic-strides variant ran
 
 
+def test_a_call_at_sizes_seen_before_is_bound(device, monkeypatch):
+    """The first call at some sizes works out layouts, variant and launch config; later calls at those
+    sizes reuse them (new values, new addresses), an input in another layout at the same sizes takes
+    the general path again (and gets its own variant), and at most BOUND_SIZES sizes are kept."""
+    from fuser.runtime import BOUND_SIZES
+
+    def f(x, y):
+        return torch.relu(x * 2 + y).sum(-1) + x.amax(-1)
+
+    graphs = []
+    compiled = torch.compile(f, backend=_keeping(graphs), dynamic=True)
+    compiled(torch.randn(6, 10, device=device), torch.randn(6, 10, device=device))
+    (kernel,) = [m for g in graphs for m in g.modules() if isinstance(m, RegionKernel)]
+    general, run = [], RegionKernel._run_dynamic
+    monkeypatch.setattr(RegionKernel, "_run_dynamic", lambda self, *a: general.append(a) or run(self, *a))
+    for _ in range(3):
+        x, y = torch.randn(6, 10, device=device), torch.randn(6, 10, device=device)
+        assert_close_to_eager(compiled(x, y), f(x, y))
+    assert general == [] and len(kernel._at) == 1
+    xt, y = torch.randn(10, 6, device=device).t(), torch.randn(6, 10, device=device)
+    (out,) = kernel(xt, y, *kernel.seen)
+    assert_close_to_eager(out, f(xt, y))
+    assert len(general) == 1 and any(key[2] for key in kernel.variants)
+    for n in range(7, 7 + BOUND_SIZES + 2):
+        x, y = torch.randn(n, 10, device=device), torch.randn(n, 10, device=device)
+        assert_close_to_eager(compiled(x, y), f(x, y))
+    assert len(kernel._at) == BOUND_SIZES and len(graphs) == 1
+
+
 def test_kernel_refuses_sizes_it_was_not_given(device):
     graphs = []
     compiled = torch.compile(lambda x: torch.exp(x) * 2 + 1, backend=_keeping(graphs), dynamic=True)
