@@ -238,6 +238,10 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
     kwargs = dict(attn_mask=c, dropout_p=att.dropout, is_causal=causal, scale=scale)
     if gqa and c is None:
         kwargs["enable_gqa"] = True
+    if att.safe and not _runs_fused(q, kk, vv, kwargs):
+        build.undo()
+        raise NotExpressible("SDPA's math path, and SDPA would take it again for these tensors (as eager does): "
+                             "left as decomposed, to our regions")
     for op, factor in factors:  # (q * f) @ k^T == (q @ k^T) * f; q rounds where eager rounded the scores
         q = build(op, q, factor)
     fix_rows = c is not None and value is None and not finite(checked) and not att.safe  # a constant mask was checked above
@@ -310,6 +314,33 @@ def _undo_math_path(build, q, k, v, c, scale: float):
             raise NotExpressible(f"SDPA's math path over fp32 copies of {low} q, k, v with an fp32 mask "
                                  f"(SDPA would round it to {low}): left as decomposed")
     return (*casts, c, scale, True)
+
+
+def _runs_fused(q, k, v, kwargs: dict) -> bool:
+    """Whether SDPA picks a fused kernel, not its math path, for tensors laid out as these, asked of
+    torch itself (`_fused_sdp_choice`, what SDPA asks when called) with uninitialised tensors of their
+    shapes (batch 1, sizes at their hints), strides and dtypes on their device.  The tracer asked it
+    of fake tensors and got the math path where real ones get a fused kernel (ViT on the H100), but a
+    math path it picks for real tensors too (T5's position bias) gains nothing over the
+    decomposition, which our regions fuse."""
+    def real(n):
+        if not isinstance(n, fx.Node):
+            return n
+        t = meta(n)
+        size = [1] + [_hint(x) for x in t.shape[1:]] if t.dim() == 4 else [_hint(x) for x in t.shape]
+        return torch.empty_strided(size, [_hint(x) for x in t.stride()], dtype=t.dtype, device=t.device)
+    try:
+        with real_tensors():
+            args = {key: real(x) for key, x in kwargs.items()}
+            choice = torch._fused_sdp_choice(real(q), real(k), real(v), args.pop("attn_mask"), args.pop("dropout_p"),
+                                             args.pop("is_causal"), **args)
+    except (RuntimeError, TypeError):  # a size without a hint: not asked, the recognition stands
+        return True
+    return choice != torch.nn.attention.SDPBackend.MATH.value
+
+
+def _hint(x) -> int:
+    return x if isinstance(x, int) else x.node.hint
 
 
 def _in_dtype(build, c: fx.Node, dtype):
