@@ -39,6 +39,7 @@ class KernelSource:
     source: str
     params: tuple  # the size symbols the kernel takes after its pointers, in order
     checks: tuple = ()  # messages of the flags an interpreted kernel raises on (see `_check`)
+    in_place: tuple = ()  # (input, output) pairs that may share memory (see KernelWriter._in_place)
 
 
 def _minmax(combine: str, v: str) -> str:
@@ -124,6 +125,7 @@ class KernelWriter:
         self.checks: list[str] = []  # messages of the checks emitted, in flag order
         self.in_loop = False  # inside a loop over R: rmask names the lanes of this tile
         self.ptr = {n: f"in{i}_ptr" for i, n in enumerate(region.inputs)}
+        self.accesses: list = []  # ("load" | "store", node, address text), in the order emitted
         self.ptr.update({n: f"out{i}_ptr" for i, n in enumerate(region.outputs)})
 
     # ------------------------------------------------------------------ canonical indices
@@ -211,6 +213,7 @@ class KernelWriter:
             if re.search(rf"\b{var}\b", mask) and not re.search(rf"\b{var}\b", addr):
                 addr = f"{addr} + 0 * {var}"
         masked = "" if mask == "None" else f", mask={mask}, other=0"
+        self.accesses.append(("load", n, addr))
         raw = f"tl.load({self.ptr[n]} + ({addr}){masked})"
         cdt = compute_dtype(sig.dtype)
         return self.new(convert(raw, sig.dtype, cdt), cdt)
@@ -513,6 +516,7 @@ class KernelWriter:
         mask = "xmask" if per_row or not self.reduction else "xmask & rmask"
         if not re.search(r"\bx\b", addr):  # a single value: the pointer must still be a block
             addr = f"{addr} + 0 * x"
+        self.accesses.append(("store", o, addr))
         self.emit(f"tl.store({self.ptr[o]} + ({addr}), {convert(v, self.dtypes[v], sig.dtype)}, {mask})")
 
     # ------------------------------------------------------------------ the kernel
@@ -575,7 +579,27 @@ class KernelWriter:
         jit = "@triton.jit(debug=True)  # device-side asserts on" if self.checks and not interpreting() else "@triton.jit"
         src = (header + "import triton\nimport triton.language as tl\n" + math_import(helpers + body) + helpers +
                f"\n\n{jit}\ndef {self.name}({', '.join(params)}):\n{body}\n")
-        return KernelSource(self.name, src, sizes, tuple(self.checks) if interpreting() else ())
+        return KernelSource(self.name, src, sizes, tuple(self.checks) if interpreting() else (), self._in_place())
+
+    def _in_place(self) -> tuple:
+        """(input i, output j) pairs whose memory may be one buffer: the same dtype, output j stored
+        once, element-wise (full-shaped), and every load of input i at the very address (offset from
+        its pointer) of that store and emitted before it; the shapes may differ (a view of the input
+        is index math in the kernel).  Each program then reads an element before it
+        writes it and touches no other program's elements (a row of a reduction is one program's:
+        read whole, or tile by tile ahead of the store loop)."""
+        pairs = []
+        for j, o in enumerate(self.region.outputs):
+            stores = [(k, a) for k, (kind, n, a) in enumerate(self.accesses) if kind == "store" and n is o]
+            if len(stores) != 1 or (self.reduction and shape(o) != self.space.full):
+                continue
+            (at, addr), out = stores[0], self.out_sig[o]
+            for i, n in enumerate(self.region.inputs):
+                sig = self.in_sig[n]
+                loads = [(k, a) for k, (kind, m, a) in enumerate(self.accesses) if kind == "load" and m is n]
+                if sig.dtype == out.dtype and loads and all(a == addr and k < at for k, a in loads):
+                    pairs.append((i, j))
+        return tuple(pairs)
 
     def _header(self) -> str:
         cost, hint = self.cost, self.sizes.hint

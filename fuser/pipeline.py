@@ -115,6 +115,9 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         written = write_inputs_in_place(new.graph)  # the targets are no longer OpOverloads)
         fast_calls(new.graph)
         new.recompile()
+        if new.in_place:
+            report.notes.append(f"{len(new.in_place)} kernels write their output over an input that dies there "
+                                f"(one buffer, not two): {', '.join(new.in_place)}")
         if written:
             report.unfused = [u for u in report.unfused if u.node not in written]
             report.notes.append(f"{len(written)} mutated inputs written in place (no copy of the input, no copy back)")

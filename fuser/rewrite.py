@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from . import indexing as ix
-from .runtime import allocator, fast_views, reuse_buffers
+from .runtime import allocator, fast_views, reuse_buffers, write_outputs_in_place
 
 
 class Unbound(Exception):
@@ -113,9 +113,11 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None
     graph.eliminate_dead_code()
     exact = ours | {n for n in graph.nodes if n.meta.get("folded")}
     fast_views(graph, exact)
-    reuse_buffers(graph, allocations)
+    in_place = write_outputs_in_place(graph, allocations)
+    reuse_buffers(graph, allocations & set(graph.nodes))
     new = fx.GraphModule(gm, graph)
     for k in kernels:
         new.add_submodule(k.name, k)
     new.recompile()
+    new.in_place = in_place  # the kernels writing over an input (for the report)
     return new

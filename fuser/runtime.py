@@ -469,7 +469,9 @@ class RegionKernel(torch.nn.Module):
         if self.symbols:
             return named(self.name, self.forward)
         into = self._bound_into() if self.device_type == "cuda" and not (self.moved or self.empty) else self.into
-        return named(self.name, into, returns_args=slice(len(self.in_sigs), None))
+        call = named(self.name, into, returns_args=slice(len(self.in_sigs), None))
+        call.in_place = () if self.moved else self._captured[0].src.in_place  # see write_outputs_in_place
+        return call
 
     def _bound_into(self):
         """`into` for the common case, bound once at load time: the captured variant and launch
@@ -741,6 +743,120 @@ def _view_chain(root, size, stride, offset, root_size, root_stride, *steps):
 
 
 view_chain = named("view_chain", _view_chain, returns_args=slice(0, 1))
+
+
+def write_outputs_in_place(graph, allocations: set) -> list[str]:
+    """A kernel's output written over one of its inputs where the kernel allows it (`in_place` of its
+    entry: the same layout, each element read before it is written, by the program that writes it)
+    and nothing reads that input's memory afterwards: the output's buffer allocation is dropped, so
+    the peak holds one of the two (the scores and the probabilities of a softmax after an eager bmm;
+    a GELU after a matmul).  The input's memory must be the graph's own: one of the wrapper's
+    buffers, or the new tensor of an eager op (its schema returns no alias), not an input or a
+    graph output, and no other argument of the kernel may share it.  An eager op's result is taken
+    through `take_in_place`, which checks at run time that it has the layout the kernel writes
+    (else a new buffer).  Returns the kernel calls that write in place."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    owners = set(allocations) | {n for n in nodes if _new_tensor(n)}
+    group, redirect = {}, {}
+
+    def members(n):
+        return frozenset(redirect.get(m, m) for m in group.get(n, ())) if isinstance(n, torch.fx.Node) else frozenset()
+
+    for n in nodes:
+        if n in owners:
+            group[n] = frozenset([n])
+        elif n.op == "call_function":
+            group[n] = aliased(n, members)
+    last, forever = {}, set()
+    for n in nodes:
+        for a in n.all_input_nodes:
+            for b in group.get(a, ()):
+                if n.op == "output":
+                    forever.add(b)
+                last[b] = max(last.get(b, -1), pos[n])
+    def dies_here(a, k, at: int):
+        """The one owner of a's memory, when nothing reads it after k and no other argument of k shares it."""
+        own = members(a)
+        if len(own) != 1:
+            return None
+        (o,) = own
+        if o in forever or last.get(o) != pos[k] or any(
+                o in members(x) for x in (*k.args[:at], *k.args[at + 1:]) if isinstance(x, torch.fx.Node)):
+            return None
+        return o
+
+    done = []
+    for k in nodes:
+        op = _in_place_op(k)
+        if op is not None:  # an eager pointwise op (a GELU left alone after a matmul): its in-place form
+            a, v = k.args[0], k.meta.get("val")
+            if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and (o := dies_here(a, k, 0)) \
+                    and (a.meta["val"].shape, a.meta["val"].stride(), a.meta["val"].dtype) == (v.shape, v.stride(), v.dtype):
+                k.target = op
+                redirect[k], last[o] = o, last.get(k, pos[k])
+                if k in forever:
+                    forever.add(o)
+                done.append(k.name)
+            continue
+        pairs = getattr(k.target, "in_place", ()) if k.op == "call_function" else ()
+        used = set()
+        for i, j in pairs:
+            start = k.target.returns_args.start
+            n, a = k.args[start + j], k.args[i]
+            if n not in allocations or len(n.users) != 1 or i in used or not isinstance(a, torch.fx.Node):
+                continue
+            v = a.meta.get("val")
+            if not isinstance(v, torch.Tensor) or not _static(v) or v.storage_offset() != 0:
+                continue
+            o = dies_here(a, k, i)
+            if o is None:
+                continue
+            layout = (tuple(v.shape), v.stride())
+            if o not in allocations:  # an eager op's result: its layout checked when the call runs
+                with graph.inserting_before(k):
+                    a = graph.call_function(take_in_place, (a, *n.args, *layout))
+                a.meta = dict(n.meta)
+            elif layout != tuple(n.args[:2]):  # the output's layout over the input's memory
+                with graph.inserting_before(k):
+                    a = graph.call_function(reinterpret, (a, *n.args[:2], 0))
+                a.meta = dict(n.meta)
+            n.replace_all_uses_with(a)
+            graph.erase_node(n)
+            redirect[n] = o
+            last[o] = last.get(n, pos[k])
+            if n in forever:
+                forever.add(o)
+            used.add(i)
+            done.append(k.name)
+    return done
+
+
+def _new_tensor(n) -> bool:
+    """An eager op whose result is a new tensor (its schema returns no alias)."""
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    return schema is not None and n.target is not torch.ops.aten._unsafe_view.default and len(schema.returns) == 1 \
+        and schema.returns[0].alias_info is None and isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def _in_place_op(n):
+    """The in-place overload of an eager pointwise op (aten.gelu_.default for aten.gelu.default)."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or \
+            torch.Tag.pointwise not in n.target.tags or n.target._schema.is_mutable or not _new_tensor(n):
+        return None
+    packet = getattr(torch.ops.aten, n.target.__name__.split(".")[0] + "_", None)
+    return getattr(packet, n.target._overloadname, None) if packet is not None else None
+
+
+def _take_in_place(t, size, stride, dtype, t_size, t_stride):
+    """t's memory, to be written over in the layout (size, stride), where t has the layout the kernel
+    was made for (t_size, t_stride); else a new buffer."""
+    if t.dtype == dtype and t.stride() == t_stride and t.shape == t_size and t.storage_offset() == 0:
+        return t if (t_size, t_stride) == (size, stride) else torch._C._dynamo.guards._reinterpret_tensor(t, size, stride, 0)
+    return torch.empty_strided(size, stride, dtype=dtype, device=t.device)
+
+
+take_in_place = named("take_in_place", _take_in_place, returns_args=slice(0, 1))
 
 
 def reuse_buffers(graph, allocations: set) -> int:

@@ -37,8 +37,8 @@ def _model(device, d=24):
 
 
 def test_wrapper_code_allocates_reuses_and_calls_kernels_directly(device):
-    """The printed program of a small model: each kernel is one plain call with buffers allocated in
-    the program, a buffer nothing reads any more is handed to a later kernel, no module calls."""
+    """The printed program of a small model: each kernel is one plain call, its output written over
+    the eager matmul result it reads (nothing reads that afterwards), no module calls."""
     m = _model(device)
     x = torch.randn(5, 24, device=device)
     with torch.no_grad():
@@ -48,13 +48,62 @@ def test_wrapper_code_allocates_reuses_and_calls_kernels_directly(device):
     assert len(fused.report.regions) == 3
     for i in range(3):
         assert f"kernels_fused_{i}(" in code
-    assert f"buf0 = kernels_empty_strided_{device}((5, 24), (24, 1), torch.float32)" in code
-    assert "buf1" not in code  # the three outputs share one buffer: each is dead when the next is written
-    assert code.count(", buf0)") == 3
+    # each LayerNorm + GELU writes over the matmul output it reads (dead after it): no buffer at all
+    assert "empty_strided" not in code and code.count("kernels_take_in_place(addmm") == 3, code
     assert "self.fused_" not in code
     # the kernels are still attributes of the program, for tools and tests
     (gm,) = fused.graph_modules
     assert sum(isinstance(k, RegionKernel) for k in gm.modules()) == 3
+
+
+def test_outputs_written_over_inputs_that_die_there(device):
+    """A softmax over an eager bmm's scores writes its probabilities over them, a GELU left alone
+    after a matmul runs in place, a LayerNorm writes over the matmul output it reads; where the
+    input is read again later (or returned) the kernel keeps its own buffer.  Values as eager's."""
+    torch.manual_seed(1)
+    w, w2 = torch.randn(16, 48, device=device), torch.randn(48, 16, device=device)
+
+    def f(a, b, keep: bool):
+        s = torch.bmm(a, b)
+        p = torch.softmax(s * 0.3, -1)
+        h = F.gelu(torch.bmm(p, a).reshape(-1, 16) @ w)  # between two matmuls: alone, eager
+        n = F.layer_norm(h @ w2, (16,))
+        return (n, s, h) if keep else n
+
+    a, b = torch.randn(3, 37, 16, device=device), torch.randn(3, 16, 37, device=device)
+    for keep in (False, True):
+        fused = fuser.fuse(lambda a, b: f(a, b, keep))
+        with torch.no_grad():
+            assert_close_to_eager(fused(a, b), f(a, b, keep))
+        code, notes = fused.code, " ".join(fused.report.notes)
+        if keep:  # the scores are returned: the softmax has a buffer of its own (the GELU's output is
+            assert "take_in_place(bmm," not in code and "buf0" in code, code  # returned: written over mm, fine)
+        else:
+            assert "kernels_take_in_place(bmm," in code and "kernels_take_in_place(mm_1," in code, code
+            assert "aten.gelu_.default" in code, code
+            assert "3 kernels write their output over" in notes, notes  # softmax, GELU, LayerNorm
+
+
+def test_no_in_place_where_the_kernel_reads_other_elements(device):
+    """A kernel that reads its input at other places than it writes (a shifted sum, a transpose)
+    never writes over it."""
+    def f(a, b):
+        s = torch.bmm(a, b)
+        return (s[:, 1:] + s[:, :-1]) * 2, torch.bmm(a, b).transpose(1, 2) + 1
+
+    a, b = torch.randn(2, 19, 8, device=device), torch.randn(2, 8, 19, device=device)
+    fused = fuser.fuse(f)
+    assert_close_to_eager(fused(a, b), f(a, b))
+    assert fused.report.regions and "take_in_place" not in fused.code, fused.code
+
+
+def test_take_in_place_checks_the_layout_at_run_time(device):
+    """An eager result is written over only where it has the layout the kernel was made for."""
+    t = torch.randn(4, 6, device=device)
+    same = runtime._take_in_place(t, (2, 12), (12, 1), t.dtype, (4, 6), (6, 1))
+    assert same.data_ptr() == t.data_ptr() and same.shape == (2, 12)
+    other = runtime._take_in_place(t.t(), (6, 4), (4, 1), t.dtype, (6, 4), (4, 1))  # strides (1, 6): not as made
+    assert other.data_ptr() != t.data_ptr() and other.stride() == (4, 1)
 
 
 def test_wrapper_checks_only_inputs_it_did_not_allocate(device):
