@@ -745,23 +745,16 @@ def _view_chain(root, size, stride, offset, root_size, root_stride, *steps):
 view_chain = named("view_chain", _view_chain, returns_args=slice(0, 1))
 
 
-def write_outputs_in_place(graph, allocations: set) -> list[str]:
-    """A kernel's output written over one of its inputs where the kernel allows it (`in_place` of its
-    entry: the same layout, each element read before it is written, by the program that writes it)
-    and nothing reads that input's memory afterwards: the output's buffer allocation is dropped, so
-    the peak holds one of the two (the scores and the probabilities of a softmax after an eager bmm;
-    a GELU after a matmul).  The input's memory must be the graph's own: one of the wrapper's
-    buffers, or the new tensor of an eager op (its schema returns no alias), not an input or a
-    graph output, and no other argument of the kernel may share it.  An eager op's result is taken
-    through `take_in_place`, which checks at run time that it has the layout the kernel writes
-    (else a new buffer).  Returns the kernel calls that write in place."""
-    nodes = list(graph.nodes)
+def _lifetimes(nodes: list, owners: set, resolve=lambda m: m):
+    """Memory lifetimes over the program's order: the owners (buffer allocations, new tensors) each
+    node may share memory with (`members`, through views and our kernels' returned buffers, each
+    owner passed through `resolve`), the position of each owner's last reader and the owners a
+    graph output holds.  Returns (positions, members, last, forever)."""
     pos = {n: i for i, n in enumerate(nodes)}
-    owners = set(allocations) | {n for n in nodes if _new_tensor(n)}
-    group, redirect = {}, {}
+    group: dict = {}
 
     def members(n):
-        return frozenset(redirect.get(m, m) for m in group.get(n, ())) if isinstance(n, torch.fx.Node) else frozenset()
+        return frozenset(resolve(m) for m in group.get(n, ())) if isinstance(n, torch.fx.Node) else frozenset()
 
     for n in nodes:
         if n in owners:
@@ -775,6 +768,24 @@ def write_outputs_in_place(graph, allocations: set) -> list[str]:
                 if n.op == "output":
                     forever.add(b)
                 last[b] = max(last.get(b, -1), pos[n])
+    return pos, members, last, forever
+
+
+def write_outputs_in_place(graph, allocations: set) -> list[str]:
+    """A kernel's output written over one of its inputs where the kernel allows it (`in_place` of its
+    entry: the same layout, each element read before it is written, by the program that writes it)
+    and nothing reads that input's memory afterwards: the output's buffer allocation is dropped, so
+    the peak holds one of the two (the scores and the probabilities of a softmax after an eager bmm;
+    a GELU after a matmul).  The input's memory must be the graph's own: one of the wrapper's
+    buffers, or the new tensor of an eager op (its schema returns no alias), not an input or a
+    graph output, and no other argument of the kernel may share it.  An eager op's result is taken
+    through `take_in_place`, which checks at run time that it has the layout the kernel writes
+    (else a new buffer).  Returns the kernel calls that write in place."""
+    nodes = list(graph.nodes)
+    redirect: dict = {}  # an output allocation dropped -> the owner whose memory the output took
+    pos, members, last, forever = _lifetimes(nodes, set(allocations) | {n for n in nodes if _new_tensor(n)},
+                                             lambda m: redirect.get(m, m))
+
     def dies_here(a, k, at: int):
         """The one owner of a's memory, when nothing reads it after k and no other argument of k shares it."""
         own = members(a)
@@ -866,24 +877,7 @@ def reuse_buffers(graph, allocations: set) -> int:
     schemas (a return with alias info); a call whose aliasing is unknown is taken to alias all its
     arguments.  Returns the number of allocations saved."""
     nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    group = {}  # node -> the buffer allocations whose memory it may share
-
-    def members(n):
-        return group.get(n, frozenset()) if isinstance(n, torch.fx.Node) else frozenset()
-
-    for n in nodes:
-        if n in allocations:
-            group[n] = frozenset([n])
-        elif n.op == "call_function":
-            group[n] = aliased(n, members)
-    last, forever = {}, set()
-    for n in nodes:
-        for a in n.all_input_nodes:
-            for b in group.get(a, ()):
-                if n.op == "output":
-                    forever.add(b)
-                last[b] = max(last.get(b, -1), pos[n])
+    pos, _, last, forever = _lifetimes(nodes, allocations)
     free: dict = {}  # (size, stride, dtype) -> [(buffer, free after position)]
     saved = 0
     for n in nodes:
