@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fuser.graph import constant_value, fake_mode_of, insert, meta, operands, packet, real_tensors, shape
+from fuser.indexing import Sizes
 
 aten = torch.ops.aten
 ABSORBING = 1e30  # |fill| at which fp32 a*s + fill == fill for any score below 1e22
@@ -238,7 +239,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
     kwargs = dict(attn_mask=c, dropout_p=att.dropout, is_causal=causal, scale=scale)
     if gqa and c is None:
         kwargs["enable_gqa"] = True
-    if att.safe and not _runs_fused(q, kk, vv, kwargs):
+    if att.safe and not _runs_fused(q, kk, vv, kwargs, Sizes.of_graph(graph).hint):
         build.undo()
         raise NotExpressible("SDPA's math path, and SDPA would take it again for these tensors (as eager does): "
                              "left as decomposed, to our regions")
@@ -307,7 +308,8 @@ def _undo_math_path(build, q, k, v, c, scale: float):
     low = meta(casts[0]).dtype
     if {meta(x).dtype for x in casts} != {low} or low not in (torch.float16, torch.bfloat16) \
             or meta(q).dtype != torch.float32:
-        raise NotExpressible("SDPA's math path over fp32 copies of q, k, v of mixed dtypes: left as decomposed")
+        raise NotExpressible("SDPA's math path over fp32 copies of q, k, v that are not all of one 16-bit dtype: "
+                             "left as decomposed")
     if c is not None:
         c = _in_dtype(build, c, low)
         if c is None:
@@ -316,7 +318,7 @@ def _undo_math_path(build, q, k, v, c, scale: float):
     return (*casts, c, scale, True)
 
 
-def _runs_fused(q, k, v, kwargs: dict) -> bool:
+def _runs_fused(q, k, v, kwargs: dict, hint) -> bool:
     """Whether SDPA picks a fused kernel, not its math path, for tensors laid out as these, asked of
     torch itself (`_fused_sdp_choice`, what SDPA asks when called) with uninitialised tensors of their
     shapes (batch 1, sizes at their hints), strides and dtypes on their device.  The tracer asked it
@@ -327,20 +329,18 @@ def _runs_fused(q, k, v, kwargs: dict) -> bool:
         if not isinstance(n, fx.Node):
             return n
         t = meta(n)
-        size = [1] + [_hint(x) for x in t.shape[1:]] if t.dim() == 4 else [_hint(x) for x in t.shape]
-        return torch.empty_strided(size, [_hint(x) for x in t.stride()], dtype=t.dtype, device=t.device)
+        size = [hint(x) for x in t.shape]
+        if t.dim() == 4:
+            size[0] = 1
+        return torch.empty_strided(size, [hint(x) for x in t.stride()], dtype=t.dtype, device=t.device)
     try:
         with real_tensors():
             args = {key: real(x) for key, x in kwargs.items()}
             choice = torch._fused_sdp_choice(real(q), real(k), real(v), args.pop("attn_mask"), args.pop("dropout_p"),
                                              args.pop("is_causal"), **args)
-    except (RuntimeError, TypeError):  # a size without a hint: not asked, the recognition stands
+    except RuntimeError:  # torch could not say: the recognition stands
         return True
     return choice != torch.nn.attention.SDPBackend.MATH.value
-
-
-def _hint(x) -> int:
-    return x if isinstance(x, int) else x.node.hint
 
 
 def _in_dtype(build, c: fx.Node, dtype):

@@ -156,15 +156,20 @@ class Launcher:
         key = tuple([a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else _int_spec(a) for a in args])
         compiled = self.compiled.get(key)
         if compiled is not None and _no_launch_hooks():
-            stream = _raw_stream(_current_device())
-            compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
-                         None, None, None, *args, *self.constexprs)
+            run_compiled(compiled, grid, _current_device(), args, self.constexprs)
             return
         compiled = self.fn[(grid,)](*args, **self.meta)
         if hasattr(compiled, "packed_metadata"):
             self.compiled[key] = compiled
             if all(k is True for k in key):
                 self.aligned = compiled
+
+
+def run_compiled(compiled, grid: int, device_index: int, args, constexprs):
+    """Launches a kernel Triton's JIT compiled, on the current stream of `device_index`, without the
+    JIT's argument binding: the one place that speaks the compiled launcher's calling convention."""
+    compiled.run(grid, 1, 1, _raw_stream(device_index), compiled.function, compiled.packed_metadata,
+                 None, None, None, *args, *constexprs)
 
 
 def _no_launch_hooks() -> bool:
@@ -411,8 +416,7 @@ class RegionKernel(torch.nn.Module):
                     or any(t.data_ptr() % 16 for t in ins):
                 launch(variant, plan, ins, new, sizes, device)
             else:
-                compiled.run(grid, 1, 1, _raw_stream(index), compiled.function, compiled.packed_metadata,
-                             None, None, None, *ins, *new, *sizes, *constexprs)
+                run_compiled(compiled, grid, index, (*ins, *new, *sizes), constexprs)
             return tuple(new)
         call.__name__ = f"{name}_at_{'_'.join(map(str, values))}"
         if len(self._at) >= BOUND_SIZES:
@@ -493,8 +497,7 @@ class RegionKernel(torch.nn.Module):
                 t = args[i]
                 if t.stride() != stride or t.shape != shape or t.dtype != dtype or t.data_ptr() % 16:
                     return slow(*args)
-            compiled.run(grid, 1, 1, _raw_stream(index), compiled.function, compiled.packed_metadata,
-                         None, None, None, *args, *constexprs)
+            run_compiled(compiled, grid, index, args, constexprs)
             return args[n] if single else args[n:]
         return into
 
