@@ -29,6 +29,7 @@ import importlib.util
 import logging
 import operator
 import os
+import sys
 import threading
 import types
 import warnings
@@ -87,13 +88,50 @@ def _interpret_knob(on: bool):
     try:
         if on:
             JITFunction.__call__ = _call_interpreted
-            with np.errstate(all="ignore"), warnings.catch_warnings():
+            with _language_kept(), np.errstate(all="ignore"), warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 yield
         else:
             yield
     finally:
         knobs.runtime.interpret, JITFunction.__call__ = old, old_call
+
+
+@functools.cache
+def _language_objects() -> tuple:
+    """What the interpreter patches: triton.language, its core and math modules, and core's classes
+    (the tensor's operators, dtype.to_ir, ...)."""
+    mods = [sys.modules[n] for n in ("triton.language", "triton.language.core", "triton.language.math")]
+    classes = [v for v in vars(mods[1]).values() if isinstance(v, type) and v.__module__ == mods[1].__name__]
+    return tuple(mods + classes)
+
+
+@contextlib.contextmanager
+def _language_kept():
+    """triton.language as it was before an interpreted kernel ran.  The interpreter swaps the
+    language's builtins for interpreted ones while a kernel runs, and restores them after; but a
+    @jit helper called from inside (tl.max, tl.sum) patches them again and never restores (Triton
+    3.6 to 3.9, `InterpretedFunction.__call__`).  Left so, the next kernel compiled for the GPU in
+    this process builds its IR with the interpreter's semantics and fails (`'ir.value' object has no
+    attribute 'dtype'`): a fallback that depends on which test ran before."""
+    saved = [(o, dict(vars(o))) for o in _language_objects()]
+    try:
+        yield
+    finally:
+        for obj, before in saved:
+            now = vars(obj)
+            if now == before:  # the common case, compared in C
+                continue
+            # names new to a module stay: the interpreter adds its own to the globals of the functions
+            # it rewrites, which its cached rewrites go on using
+            for name in [n for n in now if n not in before] if isinstance(obj, type) else ():
+                delattr(obj, name)
+            for name, value in before.items():
+                if now.get(name, _absent) is not value:
+                    setattr(obj, name, value)
+
+
+_absent = object()
 
 
 def load(source: str, name: str, device_type: str):

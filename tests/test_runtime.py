@@ -463,3 +463,29 @@ def test_cuda_graph_replay_writes_a_buffer_in_place():
             assert_close_to_eager(fused(k, pos), ref(k, pos))
             assert_close_to_eager(m.cache, ref.cache)
     assert any("replayed as CUDA graphs" in n for n in fused.report.notes), fused.report.notes
+
+
+def test_an_interpreted_kernel_leaves_triton_language_as_it_was():
+    """A CPU region whose kernel calls Triton's @jit helpers (the softmax's tl.max and tl.sum) runs
+    through the interpreter, which patches triton.language while it runs.  Afterwards the language is
+    as it was, so a kernel compiled for the GPU next in the same process builds its own IR (the
+    interpreter's leftover patches made it fail, depending on which test ran first)."""
+    import triton.language as tl
+
+    def names(obj):
+        return {k: v for k, v in vars(obj).items()}
+
+    before = [names(o) for o in (tl, tl.core, tl.math, tl.core.tensor)]
+    x = torch.randn(3, 37, 21).transpose(1, 2)
+    f = fuser.fuse(lambda t: torch.softmax(t * 2.0, dim=-1) + t.sum(-1, keepdim=True))
+    assert_close_to_eager(f(x), torch.softmax(x * 2.0, dim=-1) + x.sum(-1, keepdim=True))
+    assert f.report.regions
+    after = [names(o) for o in (tl, tl.core, tl.math, tl.core.tensor)]
+    for b, a in zip(before, after):
+        changed = sorted(k for k in b.keys() | a.keys() if b.get(k) is not a.get(k))
+        assert not changed, changed
+    if torch.cuda.is_available():  # then the GPU's kernels compile as in a fresh process
+        y = x.cuda()
+        g = fuser.fuse(lambda t: torch.sigmoid(t) * t + 1.0)
+        assert_close_to_eager(g(y), torch.sigmoid(y) * y + 1.0)
+        assert g.report.regions and g.report.fallback is None, g.report.fallback
