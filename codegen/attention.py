@@ -14,7 +14,44 @@ import triton
 from fuser.dtypes import interpreting, math_import
 from fuser.plan import attention_plan
 
-__all__ = ["ScoreMod", "attention_source", "prepare"]
+__all__ = ["IndexMask", "LinearBias", "ScoreMod", "attention_source", "prepare"]
+
+
+@dataclass(frozen=True)
+class IndexMask:
+    """An extra that is a structural mask of the positions, computed from the indices instead of
+    loaded: masked where k > q + offset (causal) or, with a window, where q + offset - k >= window.
+    Boolean (`masks`: whether True means masked), or a float holding `fill` where masked, else 0."""
+    offset: int
+    window: int | None
+    dtype: torch.dtype
+    masks: bool = True
+    fill: float | None = None
+
+    def expression(self) -> str:
+        masked = f"(k_idx > q_idx + {self.offset})" if self.offset else "(k_idx > q_idx)"
+        if self.window is not None:
+            masked = f"({masked} | (q_idx + {self.offset} - k_idx >= {self.window}))"
+        if self.dtype == torch.bool:
+            return masked if self.masks else f"({masked} == 0)"
+        return f"tl.where({masked}, {_float(self.fill)}, 0.0).to({_TL_DTYPE[self.dtype]})"
+
+
+@dataclass(frozen=True)
+class LinearBias:
+    """An extra equal to slope[b, h] * (k - q) rounded to its dtype (ALiBi), its slope being its own
+    element at q = 0, k = 1: one scalar load per program instead of a tile per step."""
+    dtype: torch.dtype
+
+    def setup(self, i: int) -> str:
+        return f"extra{i}_slope = tl.load(extra{i}_base + extra{i}_s3).to(tl.float32)"
+
+    def expression(self, i: int) -> str:
+        return f"(extra{i}_slope * (k_idx - q_idx).to(tl.float32)).to({_TL_DTYPE[self.dtype]})"
+
+
+def _float(x: float) -> str:
+    return f'float("{x}")' if x != x or x in (float("inf"), float("-inf")) else repr(x)
 
 
 @dataclass(frozen=True)
@@ -44,6 +81,10 @@ class ScoreMod:
     causal_offset: int = 0
     window: int | None = None
     helpers: tuple[str, ...] = ()  # sources of @triton.jit functions the lines call
+    forms: tuple = ()  # per extra: IndexMask / LinearBias (computed from the indices), or None (loaded)
+
+    def form(self, i: int):
+        return self.forms[i] if i < len(self.forms) else None
 
 
 _TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
@@ -53,6 +94,27 @@ _LN2 = 0.6931471805599453
 
 def _indent(lines, n: int) -> str:
     return "\n".join(" " * n + line for line in lines)
+
+
+def _extra_lines(mod: ScoreMod, full: bool) -> list[str]:
+    """The extras of one tile.  In a full tile (every key visible under the kernel's structure) a
+    structural mask of that same structure keeps everything: a constant the compiler folds away."""
+    lines = []
+    for i in range(mod.n_extra):
+        form = mod.form(i)
+        same = isinstance(form, IndexMask) and mod.causal and (form.offset, form.window) == (mod.causal_offset, mod.window)
+        if full and same:
+            kept = 0 if form.masks or form.dtype != torch.bool else 1
+            dt = "tl.int1" if form.dtype == torch.bool else _TL_DTYPE[form.dtype]
+            lines.append(f"extra{i} = tl.full([BLOCK_M, BLOCK_N], {kept}, {dt})  # the structural mask keeps this tile")
+        elif isinstance(form, IndexMask):
+            lines.append(f"extra{i} = {form.expression()}  # a structural mask, from the indices")
+        elif isinstance(form, LinearBias):
+            lines.append(f"extra{i} = {form.expression(i)}  # ALiBi-like: slope * (k - q)")
+        else:
+            lines.append(f"extra{i} = tl.load(extra{i}_base + q_idx * extra{i}_s2 + k_idx * extra{i}_s3, "
+                         f"mask=q_ok & k_ok, other=0)")
+    return lines
 
 
 def attention_source(mod: ScoreMod, head_dim: int, dtype) -> str:
@@ -70,27 +132,26 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype) -> str:
     p_dtype = "tl.float32" if upcast else _TL_DTYPE[dtype]
     esize = torch.empty((), dtype=dtype).element_size()
     has_mod = bool(mod.lines)
-    qpos = f"q_idx + {mod.causal_offset}" if mod.causal_offset else "q_idx"
-    qpos_row0 = f"start_m * BLOCK_M + {mod.causal_offset}" if mod.causal_offset else "start_m * BLOCK_M"
+    off = mod.causal_offset
+    qpos = f"q_idx + {off}" if off else "q_idx"
+    d_pad = block_d != head_dim  # only then do loads need a mask along D
 
     # Without a score mod, scale and log2(e) fold into one multiply and the softmax runs in base 2.  A score mod
     # must see natural-log scores, so there the scores stay natural and log2(e) is applied to the *difference*
     # s - m: multiplying a finfo.min score by log2(e) would overflow to -inf and turn eager's uniform average over a
     # fully finfo.min-masked row into NaN.
     if has_mod:
-        scores = ["s = tl.dot(q, kT, input_precision=DOT_PRECISION) * scale"]
-        for i in range(mod.n_extra):
-            scores.append(
-                f"extra{i} = tl.load(extra{i}_base + q_idx * extra{i}_s2 + k_idx * extra{i}_s3, "
-                f"mask=q_ok & k_ok, other=0)"
-            )
-        scores += ["# score mod"] + [line.strip() for line in mod.lines]
         to_base2 = " * LOG2E"
         lse = "m_i + tl.log(l_i)"
     else:
-        scores = ["s = tl.dot(q, kT, input_precision=DOT_PRECISION) * (scale * LOG2E)  # base-2 scores"]
         to_base2 = ""
         lse = "m_i * LN2 + tl.log(l_i)"
+
+    def scores(full: bool) -> list[str]:
+        if not has_mod:
+            return ["s = tl.dot(q, kT, input_precision=DOT_PRECISION) * (scale * LOG2E)  # base-2 scores"]
+        return (["s = tl.dot(q, kT, input_precision=DOT_PRECISION) * scale"] + _extra_lines(mod, full)
+                + ["# score mod"] + [line.strip() for line in mod.lines])
 
     keep = ["k_ok"]
     if mod.causal:
@@ -98,18 +159,68 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype) -> str:
     if mod.window is not None:
         keep.append(f"({qpos} - k_idx < {mod.window})")
 
-    bounds = ["lo = 0", "hi = N"]
-    if mod.causal:  # last key any row of this block may see is (last row) + offset
-        bounds[1] = f"hi = tl.minimum(N, {qpos_row0} + BLOCK_M)"
-    if mod.window is not None:  # first key the first row may see, rounded down to a key block
-        bounds[0] = f"lo = tl.maximum(0, {qpos_row0} - {mod.window - 1}) // BLOCK_N * BLOCK_N"
+    def loop(lo: str, hi: str, full: bool, what: str) -> str:
+        """One loop over key tiles.  Full tiles lie inside N and inside the structure: no bounds and
+        no mask at all (the unmasked loads vectorise); the others mask as the structure says."""
+        d_k = "d_ok[:, None]" if d_pad else None
+        d_v = "d_ok[None, :]" if d_pad else None
+        k_mask = d_k if full else " & ".join(x for x in (d_k, "k_ok") if x)
+        v_mask = d_v if full else " & ".join(x for x in ("(kn[:, None] < N)", d_v) if x)
+        k_load = f"tl.load(k_base + offs_d[:, None] * stride_kd + k_idx * stride_kn{f', mask={k_mask}, other=0.0' if k_mask else ''}){upcast}"
+        v_load = f"tl.load(v_base + kn[:, None] * stride_vn + offs_d[None, :] * stride_vd{f', mask={v_mask}, other=0.0' if v_mask else ''}){upcast}"
+        body = ["kn = start_n + offs_n", "k_idx = kn[None, :]", "k_ok = k_idx < N", f"kT = {k_load}",
+                *scores(full)]
+        if not full:
+            body.append(f's = tl.where({" & ".join(keep)}, s, float("-inf"))')
+        body += [
+            "m_new = tl.maximum(m_i, tl.max(s, 1))",
+            "# A row with every score so far -inf has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.",
+            'm_sub = tl.where(m_new == float("-inf"), 0.0, m_new)',
+            f"alpha = tl.exp2((m_i - m_sub){to_base2})",
+            f"p = tl.exp2((s - m_sub[:, None]){to_base2})",
+            "l_i = l_i * alpha + tl.sum(p, 1)",
+            f"v = {v_load}",
+            f"acc = tl.dot(p.to({p_dtype}), v, acc * alpha[:, None], input_precision=DOT_PRECISION)",
+            "m_i = m_new",
+        ]
+        return f"    # {what}\n    for start_n in range({lo}, {hi}, BLOCK_N):\n{_indent(body, 8)}\n"
+
+    # Key ranges: [lo, hi) is what any row of this query block may see (the rest is skipped);
+    # inside it, [lo_full, hi_full) are the tiles every row sees whole, run without masks.
+    row0 = f"start_m * BLOCK_M + {off}" if off else "start_m * BLOCK_M"  # the first row's position
+    ranges = ["lo = 0", "hi = N", "n_full = N // BLOCK_N * BLOCK_N  # key tiles inside N"]
+    if mod.causal:  # the last row sees up to its position; the first row sees the tiles that end at its own
+        ranges[1] = f"hi = tl.minimum(N, {row0} + BLOCK_M)"
+        ranges.append(f"hi_full = tl.minimum(tl.maximum({row0} + 1, 0) // BLOCK_N * BLOCK_N, n_full)")
+    else:
+        ranges.append("hi_full = n_full")
+    if mod.window is not None:  # the first row sees back to its position - (window - 1); the last row, full
+        ranges[0] = f"lo = tl.maximum(0, {row0} - {mod.window - 1}) // BLOCK_N * BLOCK_N"
+        ranges.append(f"lo_full = tl.minimum(tl.maximum((tl.maximum({row0} + BLOCK_M - {mod.window}, 0) + BLOCK_N - 1)"
+                      f" // BLOCK_N * BLOCK_N, lo), hi)")
+    else:
+        ranges.append("lo_full = lo")
+    ranges.append("hi_full = tl.minimum(tl.maximum(hi_full, lo_full), hi)")
+    loops = (loop("lo", "lo_full", False, "tiles before the window's full ones: masked") if mod.window is not None else "")
+    loops += loop("lo_full", "hi_full", True, "full tiles: no mask")
+    loops += loop("hi_full", "hi", False, "the diagonal's tiles, and the last one past N: masked")
+    # causal: the query blocks with the most keys start first, so the last wave is of short ones
+    start_m = ("tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows first" if mod.causal
+               else "tl.program_id(0)")
 
     extra_params = "".join(f"extra{i}_ptr, extra{i}_s0, extra{i}_s1, extra{i}_s2, extra{i}_s3,\n    "
                            for i in range(mod.n_extra))
     extra_bases = [f"extra{i}_base = extra{i}_ptr + b64 * extra{i}_s0 + h64 * extra{i}_s1"
                    for i in range(mod.n_extra)]
+    extra_bases += [mod.form(i).setup(i) for i in range(mod.n_extra) if isinstance(mod.form(i), LinearBias)]
+    loaded = [i for i in range(mod.n_extra) if mod.form(i) is None]
+    computed = [i for i in range(mod.n_extra) if mod.form(i) is not None]
+    extras_io = (f"extras {', '.join(f'extra{i}' for i in loaded)}: B*Hq*M*N*sizeof(extra) each, less where "
+                 f"broadcast (stride-0 dims hit in cache)" if loaded else "no extra tensor")
+    if computed:
+        extras_io += f"; {', '.join(f'extra{i}' for i in computed)} computed from the indices, not read"
     n_ops = len(mod.lines) + 1  # the scale multiply is an op in eager too
-    desc = [f"causal (offset {mod.causal_offset})" if mod.causal else "non-causal"]
+    desc = [f"causal (offset {off})" if mod.causal else "non-causal"]
     if mod.window is not None:
         desc.append(f"window {mod.window}")
     desc.append(f"{len(mod.lines)} score-mod line(s), {mod.n_extra} extra tensor(s)")
@@ -121,7 +232,7 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype) -> str:
 # HBM bytes, with Tm = cdiv(M, BLOCK_M) query blocks:
 #   read   Q      B*Hq*M*D*e              once: the tile stays on chip for the whole key loop
 #   read   K, V   2*B*Hq*N*D*e*Tm         once per query block (causal: about half; GQA heads share via L2)
-#   read   extras B*Hq*M*N*sizeof(extra)  each, less where broadcast (stride-0 dims hit in cache)
+#   read   {extras_io}
 #   write  O      B*Hq*M*D*e              (+ LSE: B*Hq*M*4 when asked for)
 # Eager moves the B*Hq*M*N score matrix on top of Q, K, V and O: Q@K^T writes it, each of the {n_ops}
 # pointwise op(s) (scale, score mod) reads and writes it, softmax reads it and writes P, P@V reads P:
@@ -145,7 +256,7 @@ def attention_fwd(
     H, GROUP, M, N, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
-    start_m = tl.program_id(0)
+    start_m = {start_m}
     bh = tl.program_id(1)
     b_idx = bh // H
     h_idx = bh % H
@@ -170,27 +281,8 @@ def attention_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Key range this query block can see; tiles outside it are fully masked and skipped.
-    {bounds[0]}
-    {bounds[1]}
-    for start_n in range(lo, hi, BLOCK_N):
-        kn = start_n + offs_n
-        k_idx = kn[None, :]
-        k_ok = k_idx < N
-        kT = tl.load(k_base + offs_d[:, None] * stride_kd + k_idx * stride_kn, mask=d_ok[:, None] & k_ok, other=0.0){upcast}
-{_indent(scores, 8)}
-        s = tl.where({" & ".join(keep)}, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with every score so far -inf has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m_i - m_sub){to_base2})
-        p = tl.exp2((s - m_sub[:, None]){to_base2})
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + kn[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=(kn[:, None] < N) & d_ok[None, :], other=0.0){upcast}
-        acc = tl.dot(p.to({p_dtype}), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
-
+{_indent(ranges, 4)}
+{loops}
     # Not special-cased: a row with no visible key has l_i = 0 and gives NaN, as eager softmax over all -inf does.
     o = acc / l_i[:, None]
     o_base = O + b64 * stride_ob + h64 * stride_oh

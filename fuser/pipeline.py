@@ -17,7 +17,7 @@ from fuser.codegen import attention as attention_codegen
 from fuser.codegen import sdpa
 from fuser.codegen.kernel import CodegenError, generate
 from fuser.codegen.score_mod import score_mod
-from fuser.patterns.attention import causal_offset, find, normalize_attention
+from fuser.patterns.attention import extra_forms, find, mask_structure, normalize_attention
 
 from . import ops
 from .cost import eager_cost, tensor_bytes
@@ -128,7 +128,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
 def _attention_kernel(att, cg, name: str) -> AttentionKernel:
     """The flash-attention kernel of a recognised attention, its score chain as the score mod."""
     with target(meta(att.q).device.type):
-        mod = score_mod(att.scores, att.chain, att.extras, cg, causal_offset(att, cg))
+        mod = score_mod(att.scores, att.chain, att.extras, cg, mask_structure(att, cg), extra_forms(att))
         source = attention_codegen.attention_source(mod, int(shape(att.q)[-1]), meta(att.q).dtype)
     return AttentionKernel(name, source, functools.partial(attention_codegen.prepare, mod=mod),
                            tuple(shape(n) for n in att.inputs), tuple(meta(n).dtype for n in att.inputs),

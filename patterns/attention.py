@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from fuser import ops
+from fuser.codegen.attention import IndexMask, LinearBias
 from fuser.indexing import broadcast_shapes
 from fuser.graph import (ComputeGraph, fake_mode_of, fold_into, insert, packet, is_generator, meta, operands,
                          real_tensors, run_node, shape)
@@ -418,13 +419,15 @@ def find(graph: fx.Graph, cg: ComputeGraph | None = None) -> list[Attention]:
     return found
 
 
-def causal_offset(att: Attention, cg: ComputeGraph) -> int | None:
-    """The offset o when the score chain masks every key k > q + o whatever the scores (a causal mask
-    built from constants: tril/triu of ones, arange comparisons), else None.
+def mask_structure(att: Attention, cg: ComputeGraph) -> tuple[int, int | None] | None:
+    """(o, w) when the score chain masks every key k > q + o whatever the scores (a causal mask built
+    from constants: tril/triu of ones, arange comparisons) and, with a window w, every key with
+    q + o - k >= w; else None.
 
     The masks are evaluated once, here, from the constants they are built of (a mask that reads a
     graph input, such as a padding mask, is data and is not folded).  Knowing the structure lets the
-    kernel skip the tiles above the diagonal instead of loading and applying the mask there.
+    kernel skip the tiles above the diagonal (and before the window) instead of loading and applying
+    the mask there.
     """
     if not att.chain:
         return None
@@ -433,31 +436,104 @@ def causal_offset(att: Attention, cg: ComputeGraph) -> int | None:
         return None  # symbolic lengths: the mask is applied as the chain computes it, tile by tile
     m, n = int(m), int(n)
     values = {}
-    try:
-        with torch.no_grad(), real_tensors():
+    with torch.no_grad(), real_tensors():
+        try:
             for e in att.extras:
                 if fold_into(e, values) is None:
                     return None
             values[att.scores] = torch.zeros((1, 1, m, n), device=meta(att.scores).device)
             for node in att.chain:
                 values[node] = run_node(node, values)
-            out = values[att.chain[-1]].float().reshape(-1, m, n)
-            # -inf, or a finfo.min-style bias (fp16's finfo.min is -65504): exp() of it is 0 next to any
-            # unmasked score, unless the whole row is masked; then eager averages over every key
-            # (finite bias) and skipping tiles would change that
-            masked_all = out <= _MASKED
-            if bool((masked_all & torch.isfinite(out)).any()) and not bool((~masked_all).any(-1).all()):
-                return None
-            masked = masked_all.all(0)
-            q = torch.arange(m, device=masked.device)[:, None]
-            k = torch.arange(n, device=masked.device)[None, :]
-            for off in sorted({0, n - m}):
-                upper = k > q + off
-                if bool(upper.any()) and bool(masked[upper].all()):
-                    return off
-    except (RuntimeError, TypeError, ValueError):
-        return None
+            out = values[att.chain[-1]].float().reshape(-1, m, n).cpu()
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        # -inf, or a finfo.min-style bias (fp16's finfo.min is -65504): exp() of it is 0 next to any
+        # unmasked score, unless the whole row is masked; then eager averages over every key (finite
+        # bias) and skipping tiles would change that
+        masked_all = out <= _MASKED
+        if bool((masked_all & torch.isfinite(out)).any()) and not bool((~masked_all).any(-1).all()):
+            return None
+        masked = masked_all.all(0)
+        d = torch.arange(n)[None, :] - torch.arange(m)[:, None]  # k - q
+        for off in sorted({0, n - m}):
+            upper = d > off
+            if bool(upper.any()) and bool(masked[upper].all()):
+                return off, _window(masked, d, off, n)
     return None
 
 
+def _window(masked, d, off: int, n: int) -> int | None:
+    """The smallest w with every key at q + o - k >= w masked, where that skips keys, else None."""
+    kept = ~masked
+    rows = kept.any(1)
+    if not bool(rows.any()):
+        return None
+    reach = torch.where(kept, off - d, torch.full_like(d, -1)).amax(1)  # furthest kept key back, per row
+    w = int(reach[rows].max()) + 1
+    return w if w < n and bool((masked | (off - d < w)).all()) else None
+
+
 _MASKED = torch.finfo(torch.float16).min / 2
+_FORM_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
+
+
+def extra_forms(att: Attention) -> tuple:
+    """Per extra, IndexMask or LinearBias where its value, folded from constants at compile time, is
+    exactly that function of the positions (checked on every element), else None.  The kernel then
+    computes it from the indices instead of loading an M x N tile per step (data masks stay loads)."""
+    m, n = shape(att.scores)[2:]
+    if not (m.is_Integer and n.is_Integer):
+        return (None,) * len(att.extras)
+    m, n = int(m), int(n)
+    forms = []
+    with torch.no_grad(), real_tensors():
+        for e in att.extras:
+            try:
+                value = fold_into(e, {})
+                forms.append(None if value is None or value.dtype not in _FORM_DTYPES else _form_of(value, m, n))
+            except (RuntimeError, TypeError, ValueError):
+                forms.append(None)
+    return tuple(forms)
+
+
+def _form_of(value: torch.Tensor, m: int, n: int):
+    if value.dim() > 4 or tuple(value.shape[-2:]) != (m, n):
+        return None
+    v4 = value.reshape((1,) * (4 - value.dim()) + tuple(value.shape)).cpu()
+    d = torch.arange(n)[None, :] - torch.arange(m)[:, None]  # k - q
+    if v4.is_floating_point() and n > 1:
+        slope = v4[..., :1, 1:2].float()
+        if torch.equal((slope * d.float()).to(v4.dtype), v4):
+            return LinearBias(v4.dtype)
+    if not bool((v4 == v4[:1, :1]).all()):
+        return None  # differs between batches or heads
+    plane = v4[0, 0]
+    if plane.dtype == torch.bool:
+        for masks, masked in ((True, plane), (False, ~plane)):
+            form = _structure(masked, d, m, n)
+            if form is not None:
+                return IndexMask(*form, torch.bool, masks=masks)
+        return None
+    if not plane.is_floating_point():
+        return None
+    fills = plane[plane != 0].unique()
+    if fills.numel() != 1 or float(fills[0]) > _MASKED:
+        return None
+    form = _structure(plane != 0, d, m, n)
+    return None if form is None else IndexMask(*form, plane.dtype, fill=float(fills[0]))
+
+
+def _structure(masked: torch.Tensor, d: torch.Tensor, m: int, n: int):
+    """(offset, window) when `masked` is exactly k > q + offset [or q + offset - k >= window]; every
+    row keeps at least one key (a fully masked row is not a structure: eager averages over it)."""
+    for off in sorted({0, n - m}):
+        causal = d > off
+        kept = (~masked).sum(1)
+        if not bool((kept > 0).all()):
+            return None
+        if torch.equal(masked, causal):
+            return off, None
+        window = int(kept.max())
+        if window < n and torch.equal(masked, causal | (off - d >= window)):
+            return off, window
+    return None

@@ -90,6 +90,54 @@ def test_softcap_alibi_and_padding_with_fully_masked_rows(device):
     assert "not SDPA: aten.tanh on the scores" in _attention_regions(fused)[0].lowering
 
 
+def _constant_score_mod(form, m, n, h):
+    """Score chains whose masks and biases are built in the graph from constants (positions, slopes)."""
+    def chain(s):
+        dev = s.device
+        q_pos, k_pos = torch.arange(m, device=dev)[:, None], torch.arange(n, device=dev)[None, :]
+        causal = torch.ones(m, n, device=dev, dtype=torch.bool).triu(n - m + 1)
+        if form == "alibi + causal":
+            slopes = 2.0 ** (-8.0 * torch.arange(1, h + 1, device=dev) / h)
+            s = s + slopes[:, None, None] * (k_pos - q_pos)
+            return s.masked_fill(causal, float("-inf"))
+        if form == "window":
+            far = torch.ones(m, n, device=dev, dtype=torch.bool).tril(n - m - 7)
+            return s.masked_fill(causal | far, float("-inf"))
+        if form == "additive causal, kept where True":
+            keep = ~causal
+            return torch.where(keep, s, torch.finfo(s.dtype).min)
+        if form == "symmetric alibi (not linear)":
+            return s - 0.5 * (k_pos - q_pos).abs()
+        raise AssertionError(form)
+    return chain
+
+
+@pytest.mark.parametrize("form", ["alibi + causal", "window", "additive causal, kept where True",
+                                  "symmetric alibi (not linear)"])
+@pytest.mark.parametrize("m, n", [(45, 45), (20, 45)])
+def test_masks_and_biases_built_from_constants_are_computed_from_indices(form, m, n, device):
+    """A causal or window mask, or a bias slope * (k - q), built in the graph from constants is
+    computed in the kernel from the positions (no M x N tile loaded per step) and its structure
+    skips tiles; checked on every element at compile time, so a bias of another form (|k - q|)
+    stays a load.  Prefill alignment (m < n) included."""
+    torch.manual_seed(3)
+    q, k, v = _qkv(device, m=m, n=n)
+    chain = _constant_score_mod(form, m, n, q.shape[1])
+
+    def attn(q, k, v):
+        s = chain(q @ k.transpose(-1, -2) * 0.25)
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+    fused = _check(attn, q, k, v, lowering="triton", expect="triton")
+    (r,) = _attention_regions(fused)
+    loads = "_base + q_idx * extra" in r.source  # a tile loaded per step
+    assert loads == (form == "symmetric alibi (not linear)"), r.source
+    if not loads:
+        assert "computed from the indices, not read" in r.source
+        assert f"causal (offset {n - m})" in r.source
+    assert ("window 7" in r.source) == (form == "window"), r.source
+
+
 def test_additive_finfo_min_mask(device):
     torch.manual_seed(2)
     q, k, v = _qkv(device, m=23, n=23)

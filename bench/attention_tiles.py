@@ -1,0 +1,105 @@
+"""Tile sweep of our own attention kernel (attention="triton") on the rows of attention_bench.py,
+forward, beside FlexAttention and SDPA in the same run: which (BLOCK_M, BLOCK_N, warps, stages)
+wins per head dim, and how far each row is from the libraries.  GPU only.
+
+    python bench/attention_tiles.py [--rows 0,3,4] [--out DIR]
+"""
+import argparse
+import datetime
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import attention_bench as ab  # noqa: E402
+import fuser.codegen.attention as attention_codegen  # noqa: E402
+
+CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); every one fits Hopper's shared memory in bf16
+    64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 128, 4, 3),
+         (128, 32, 4, 4)],
+    128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4),
+          (128, 64, 8, 4), (128, 128, 8, 2), (128, 64, 8, 2)],
+}
+
+
+def ms(fn):
+    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def sweep(name, b, hq, hkv, s, d, variant):
+    torch.manual_seed(0)
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    eager = ab.HandWritten(variant, hq // hkv, s, "cuda")
+    row = {"row": name, "shape": f"B{b} H{hq}/{hkv} S{s} D{d}"}
+    with torch.no_grad():
+        ref = eager(q, k, v).float()
+        for label, fn in (("sdpa", ab.sdpa_version(variant, hq, s, "cuda")), ("flex", ab.flex_version(variant, b, hq, s, "cuda"))):
+            if fn is not None:
+                fn(q, k, v)
+                row[label] = ms(lambda: fn(q, k, v))
+        torch._dynamo.reset()
+        fused = torch.compile(eager, backend="fuser", options={"attention": "triton"})
+        plan = attention_codegen.attention_plan
+        row["configs"] = {}
+        try:
+            for cfg in CANDIDATES[d]:
+                attention_codegen.attention_plan = lambda *a, cfg=cfg: cfg
+                try:
+                    out = fused(q, k, v)
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    row["configs"][str(cfg)] = {"ms": ms(lambda: fused(q, k, v)), "err": err}
+                except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory)
+                    row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+                print(name, cfg, row["configs"][str(cfg)], flush=True)
+        finally:
+            attention_codegen.attention_plan = plan
+        out = fused(q, k, v)  # the shipped plan
+        row["shipped"] = ms(lambda: fused(q, k, v))
+        row["shipped_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+    return row
+
+
+def table(rows, gpu):
+    lines = [f"# our attention kernel's tiles (forward, bf16): {gpu}, {datetime.date.today()}", "",
+             f"torch {torch.__version__}; do_bench medians (ms); config = (BLOCK_M, BLOCK_N, warps, stages); "
+             "vs flex = flex ms / ours (>1: ours faster); err = ||a-b||/||b|| vs eager.", "",
+             "| row | shape | sdpa | flex | shipped | best config | best ms | best vs flex | err |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = {c: x for c, x in r["configs"].items() if "ms" in x}
+        best = min(ok, key=lambda c: ok[c]["ms"]) if ok else None
+        f = r.get("flex")
+        lines.append(f"| {r['row']} | {r['shape']} | {r.get('sdpa', float('nan')):.3f} | {f or float('nan'):.3f} | "
+                     f"{r['shipped']:.3f} | {best} | {ok[best]['ms']:.3f} | "
+                     f"{(f / ok[best]['ms']) if f and best else float('nan'):.2f} | {ok[best]['err']:.1e} |")
+    lines += ["", "all configs (ms):", ""]
+    for r in rows:
+        lines.append(f"- {r['row']}: " + ", ".join(f"{c} {x['ms']:.3f}" if "ms" in x else f"{c} {x['error']}"
+                                                   for c, x in r["configs"].items()))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--rows", help="comma-separated row indices of attention_bench.ROWS (default: all)")
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name()
+    picked = [ab.ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ab.ROWS
+    stem = Path(args.out) / f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{datetime.date.today()}-attention-tiles"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec in picked:
+        rows.append(sweep(*spec))
+        stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+        stem.with_suffix(".md").write_text(table(rows, gpu))
+    print(table(rows, gpu))
+
+
+if __name__ == "__main__":
+    main()
