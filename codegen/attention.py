@@ -47,7 +47,10 @@ class LinearBias:
         return f"extra{i}_slope = tl.load(extra{i}_base + extra{i}_s3).to(tl.float32)"
 
     def expression(self, i: int) -> str:
-        return f"(extra{i}_slope * (k_idx - q_idx).to(tl.float32)).to({_TL_DTYPE[self.dtype]})"
+        # positions converted before they broadcast (BLOCK_M + BLOCK_N conversions, not one per score):
+        # their difference is exact in fp32, so the product is the one checked at compile time
+        return (f"(extra{i}_slope * (k_idx.to(tl.float32) - q_idx.to(tl.float32)))"
+                f".to({_TL_DTYPE[self.dtype]})")
 
 
 def _float(x: float) -> str:
