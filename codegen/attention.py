@@ -14,7 +14,7 @@ import triton
 from fuser.dtypes import interpreting, math_import
 from fuser.plan import attention_plan
 
-__all__ = ["IndexMask", "LinearBias", "ScoreMod", "attention_source", "prepare"]
+__all__ = ["IndexMask", "LinearBias", "ScoreMod", "attention_source", "prepare", "structure_of"]
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,25 @@ class LinearBias:
         return f"extra{i}_slope = tl.load(extra{i}_base + extra{i}_s3).to(tl.float32)"
 
     def expression(self, i: int) -> str:
-        # positions converted before they broadcast (BLOCK_M + BLOCK_N conversions, not one per score):
-        # their difference is exact in fp32, so the product is the one checked at compile time
-        return (f"(extra{i}_slope * (k_idx.to(tl.float32) - q_idx.to(tl.float32)))"
-                f".to({_TL_DTYPE[self.dtype]})")
+        return f"(extra{i}_slope * (k_idx - q_idx).to(tl.float32)).to({_TL_DTYPE[self.dtype]})"
+
+
+def structure_of(masked: torch.Tensor, m: int, n: int) -> tuple[int, int | None] | None:
+    """(offset, window) when the [m, n] boolean `masked` is exactly k > q + offset [or q + offset - k
+    >= window], for the offsets of top-left (0) and bottom-right (n - m) alignment; None otherwise,
+    and where a row keeps no key (eager averages over a fully masked row: no structure gives that)."""
+    kept = (~masked).sum(1)
+    if not bool((kept > 0).all()):
+        return None
+    d = torch.arange(n, device=masked.device)[None, :] - torch.arange(m, device=masked.device)[:, None]  # k - q
+    window = int(kept.max())
+    for off in sorted({0, n - m}):
+        causal = d > off
+        if torch.equal(masked, causal):
+            return off, None
+        if window < n and torch.equal(masked, causal | (off - d >= window)):
+            return off, window
+    return None
 
 
 def _float(x: float) -> str:

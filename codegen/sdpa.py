@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fuser.graph import constant_value, fake_mode_of, insert, meta, operands, packet, real_tensors, shape
 from fuser.indexing import Sizes
+from .attention import structure_of
 
 aten = torch.ops.aten
 ABSORBING = 1e30  # |fill| at which fp32 a*s + fill == fill for any score below 1e22
@@ -188,14 +189,16 @@ def finite(n, depth: int = 0) -> bool:
     return False
 
 
-def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> tuple[str, list]:  # att: patterns.attention.Attention
+def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
+          structured=None) -> tuple[str, list]:  # att: patterns.attention.Attention
     """Rewrites `att` in gm's graph as one SDPA call; returns the call as text for the report, and
     the nodes made.
     Raises NotExpressible (the graph unchanged) where SDPA cannot compute what eager does.
     `fixups` holds, per mask node, its clamped copy and its "row fully -inf" node, shared by the
     attentions of one graph.  `buffers`: inputs that are the same tensors every call (parameters and
     buffers; empty where CUDA graphs replay the calls): a mask computed from them alone is checked
-    at run time for torch's causal mask (causal_or_masked)."""
+    at run time for torch's causal mask (causal_or_masked), and for a sliding window, which then runs
+    `structured(q, k, v, window, scale)` (our kernel)."""
     graph = gm.graph
     q, k, v = att.q, att.k, att.v
     h, m = shape(q)[1:3]
@@ -249,7 +252,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
     if fix_rows and checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
         fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
     if sources:
-        out = build(causal_or_masked(), q, k, v, c, fixups[checked] if fix_rows else None, *sources, scale=scale)
+        out = build(causal_or_masked(structured), q, k, v, c, fixups[checked] if fix_rows else None, *sources, scale=scale)
     else:
         out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
         if fix_rows:
@@ -266,7 +269,9 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset()) -> 
         text.append(f"q scaled by {', '.join(f.name for _, f in factors)} (a scale given at run time)")
     if sources:
         text.append(f"the mask (from {', '.join(x.name for x in sources)}) checked at run time for torch's "
-                    "causal mask (then is_causal, no mask read), once per new value of its inputs")
+                    "causal mask (then is_causal, no mask read)"
+                    + (" or a sliding window (then our kernel over the window's tiles)" if structured else "")
+                    + ", once per new value of its inputs")
     if gqa:
         text.append("enable_gqa=True" if c is None or sources else
                     f"K/V heads repeated x{h // hkv} (the masked kernel has no GQA)")
@@ -395,15 +400,17 @@ def _sources(mask: fx.Node) -> list:
 RECHECKS = 3  # inputs that are new tensors every call: checked this many times, then the mask is used as given
 
 
-def causal_or_masked():
+def causal_or_masked(structured=None):
     """A new call site of SDPA over a mask computed from parameters and buffers (nanoGPT's causal
-    `bias` buffer), with its own decision (kept by the compiled graph that calls it, gone with it).
-    Where the mask is torch's causal mask (0 on and below the diagonal, <= -1e30 above), SDPA runs with
-    is_causal=True: the flash kernel, no mask read, half the tiles.  The check (one comparison and a
-    host sync) runs again only when an input the mask is made from is another tensor or was written
-    in place (its version), at most RECHECKS times; else the mask (clamped in the graph) is applied
-    as given, and `nan_rows` (rows of -inf) give NaN as eager's do."""
-    seen = []  # [weak refs and versions of the mask's inputs, causal?, rechecks], once decided
+    `bias` buffer, Mistral's window), with its own decision (kept by the compiled graph that calls
+    it, gone with it).  Where the mask is torch's causal mask (0 on and below the diagonal, <= -1e30
+    above), SDPA runs with is_causal=True: the flash kernel, no mask read, half the tiles.  Where it
+    is a sliding window over that and `structured(q, k, v, window, scale)` is given (our kernel,
+    which skips the tiles outside the window), that runs.  The check (a few comparisons and a host
+    sync) runs again only when an input the mask is made from is another tensor or was written in
+    place (its version), at most RECHECKS times; else the mask (clamped in the graph) is applied as
+    given, and `nan_rows` (rows of -inf) give NaN as eager's do."""
+    seen = []  # [weak refs and versions of the mask's inputs, (offset, window) or None, rechecks], once decided
 
     def causal_or_masked(q, k, v, mask, nan_rows, *sources, scale: float):
         gqa = q.shape[1] != k.shape[1]
@@ -411,10 +418,14 @@ def causal_or_masked():
             same = bool(seen) and all(r() is x and ver == x._version for (r, ver), x in zip(seen[0], sources))
             if not same and (not seen or seen[2] < RECHECKS):
                 stamp = [(weakref.ref(x), x._version) for x in sources]
-                seen[:] = [stamp, _is_causal(mask, q.shape[2], k.shape[2]), seen[2] + 1 if seen else 0]
+                seen[:] = [stamp, _structure(mask, q.shape[2], k.shape[2]), seen[2] + 1 if seen else 0]
                 same = True
-            if same and seen[1]:
-                return aten.scaled_dot_product_attention.default(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            if same and seen[1] is not None:
+                window = seen[1][1]
+                if window is None:
+                    return aten.scaled_dot_product_attention.default(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+                if structured is not None:
+                    return structured(q, k, v, window, scale)
         if gqa:  # the memory-efficient kernel (the one taking a mask) has no GQA
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
         out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=scale)
@@ -423,9 +434,18 @@ def causal_or_masked():
     return causal_or_masked
 
 
-def _is_causal(mask: torch.Tensor, m: int, n: int) -> bool:
-    upper = torch.ones(m, n, dtype=torch.bool, device=mask.device).triu(1)
-    return bool(torch.where(upper, mask <= -ABSORBING, mask == 0).all())
+def _structure(mask: torch.Tensor, m: int, n: int) -> tuple[int, int | None] | None:
+    """(0, window or None) where the additive mask is the same for every batch and head, 0 or <= -1e30,
+    and masks exactly the keys past the diagonal (and, with a window, those `window` or more behind)."""
+    if tuple(mask.shape[-2:]) != (m, n):
+        return None
+    full = mask.reshape(-1, m, n)
+    plane = full[0]
+    masked = plane <= -ABSORBING
+    if not bool((masked | (plane == 0)).all()) or not bool((full == plane).all()):
+        return None
+    found = structure_of(masked, m, n)
+    return found if found is not None and found[0] == 0 else None
 
 
 def _constant_mask(value: torch.Tensor, m: int, n: int, c: fx.Node):

@@ -26,7 +26,7 @@ from .fold import fold_constants
 from .gqa import share_kv_heads
 from .padding import pad_matmuls
 from .graph import ComputeGraph, meta, refresh_fake, shape
-from .runtime import AttentionKernel, RegionKernel, fast_calls, write_inputs_in_place
+from .runtime import AttentionKernel, RegionKernel, fast_calls, run_attention, write_inputs_in_place
 from .partition import Partitioner
 from .report import FusionReport, RegionReport, Unfused
 from .rewrite import Unbound, bind_sizes, rewrite
@@ -154,7 +154,7 @@ def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, s
         try:
             with target(meta(a.q).device.type):
                 entry = _attention_report(a, cg, "sdpa", "", graph_index, len(report.regions), hints, "")
-                text, made = sdpa.lower(gm, a, fixups, buffers)
+                text, made = sdpa.lower(gm, a, fixups, buffers, _windowed)
         except sdpa.NotExpressible as e:
             why[a.out] = str(e)
             continue
@@ -170,6 +170,20 @@ def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, s
         gm.recompile()
         refresh_fake(gm, changed)
     return why, calls
+
+
+def _windowed(q, k, v, window: int, scale: float):
+    """Causal attention over the last `window` keys of each query, its tiles outside the window
+    skipped: what a sliding-window mask in a buffer runs once found at run time (sdpa.causal_or_masked)."""
+    mod = attention_codegen.ScoreMod((), causal=True, window=window)
+    source = _windowed_source(mod, q.shape[-1], q.dtype, q.device.type)
+    return run_attention(source, attention_codegen.prepare, q, k, v, (), mod=mod, scale=scale)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _windowed_source(mod, head_dim: int, dtype, device_type: str) -> str:
+    with target(device_type):
+        return attention_codegen.attention_source(mod, head_dim, dtype)
 
 
 def _attention_report(a, cg, kernel, source, graph_index, rid, hints, lowering) -> RegionReport:

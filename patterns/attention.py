@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from fuser import ops
-from fuser.codegen.attention import IndexMask, LinearBias
+from fuser.codegen.attention import IndexMask, LinearBias, structure_of
 from fuser.indexing import broadcast_shapes
 from fuser.graph import (ComputeGraph, fake_mode_of, fold_into, insert, packet, is_generator, meta, operands,
                          real_tensors, run_node, shape)
@@ -444,7 +444,7 @@ def mask_structure(att: Attention, cg: ComputeGraph) -> tuple[int, int | None] |
             values[att.scores] = torch.zeros((1, 1, m, n), device=meta(att.scores).device)
             for node in att.chain:
                 values[node] = run_node(node, values)
-            out = values[att.chain[-1]].float().reshape(-1, m, n).cpu()
+            out = values[att.chain[-1]].float().reshape(-1, m, n)
         except (RuntimeError, TypeError, ValueError):
             return None
         # -inf, or a finfo.min-style bias (fp16's finfo.min is -65504): exp() of it is 0 next to any
@@ -454,7 +454,7 @@ def mask_structure(att: Attention, cg: ComputeGraph) -> tuple[int, int | None] |
         if bool((masked_all & torch.isfinite(out)).any()) and not bool((~masked_all).any(-1).all()):
             return None
         masked = masked_all.all(0)
-        d = torch.arange(n)[None, :] - torch.arange(m)[:, None]  # k - q
+        d = torch.arange(n, device=masked.device)[None, :] - torch.arange(m, device=masked.device)[:, None]  # k - q
         for off in sorted({0, n - m}):
             upper = d > off
             if bool(upper.any()) and bool(masked[upper].all()):
@@ -499,8 +499,8 @@ def extra_forms(att: Attention) -> tuple:
 def _form_of(value: torch.Tensor, m: int, n: int):
     if value.dim() > 4 or tuple(value.shape[-2:]) != (m, n):
         return None
-    v4 = value.reshape((1,) * (4 - value.dim()) + tuple(value.shape)).cpu()
-    d = torch.arange(n)[None, :] - torch.arange(m)[:, None]  # k - q
+    v4 = value.reshape((1,) * (4 - value.dim()) + tuple(value.shape))  # on its device: it may be large
+    d = torch.arange(n, device=v4.device)[None, :] - torch.arange(m, device=v4.device)[:, None]  # k - q
     if v4.is_floating_point() and n > 1:
         slope = v4[..., :1, 1:2].float()
         if torch.equal((slope * d.float()).to(v4.dtype), v4):
@@ -510,7 +510,7 @@ def _form_of(value: torch.Tensor, m: int, n: int):
     plane = v4[0, 0]
     if plane.dtype == torch.bool:
         for masks, masked in ((True, plane), (False, ~plane)):
-            form = _structure(masked, d, m, n)
+            form = structure_of(masked, m, n)
             if form is not None:
                 return IndexMask(*form, torch.bool, masks=masks)
         return None
@@ -519,21 +519,5 @@ def _form_of(value: torch.Tensor, m: int, n: int):
     fills = plane[plane != 0].unique()
     if fills.numel() != 1 or float(fills[0]) > _MASKED:
         return None
-    form = _structure(plane != 0, d, m, n)
+    form = structure_of(plane != 0, m, n)
     return None if form is None else IndexMask(*form, plane.dtype, fill=float(fills[0]))
-
-
-def _structure(masked: torch.Tensor, d: torch.Tensor, m: int, n: int):
-    """(offset, window) when `masked` is exactly k > q + offset [or q + offset - k >= window]; every
-    row keeps at least one key (a fully masked row is not a structure: eager averages over it)."""
-    for off in sorted({0, n - m}):
-        causal = d > off
-        kept = (~masked).sum(1)
-        if not bool((kept > 0).all()):
-            return None
-        if torch.equal(masked, causal):
-            return off, None
-        window = int(kept.max())
-        if window < n and torch.equal(masked, causal | (off - d >= window)):
-            return off, window
-    return None

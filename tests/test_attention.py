@@ -365,26 +365,31 @@ class _BufferMasked(torch.nn.Module):
 def test_a_causal_mask_in_a_buffer_is_recognised_at_run_time(device):
     """The mask is data (a buffer), so SDPA gets it as a tensor; at run time it is found to be torch's
     causal mask and SDPA runs with is_causal=True.  Written in place (its version changes) it is
-    checked again: a window mask is then applied as given, and the output still equals eager's."""
+    checked again: a sliding window then runs our kernel over the window's tiles; a mask of no
+    structure is applied as given.  The output equals eager's throughout."""
     from fuser.codegen import sdpa
     torch.manual_seed(13)
     model = _BufferMasked(40, device)
     q, k, v = _qkv(device, m=33, n=33)
     fused = fuser.fuse(model)
-    calls = []
-    real = sdpa._is_causal
-    sdpa._is_causal = lambda *a: calls.append(real(*a)) or calls[-1]
+    calls, windowed = [], []
+    real, real_run = sdpa._structure, fuser.pipeline.run_attention
+    sdpa._structure = lambda *a: calls.append(real(*a)) or calls[-1]
+    fuser.pipeline.run_attention = lambda *a, **kw: windowed.append(kw["mod"].window) or real_run(*a, **kw)
     try:
         with torch.no_grad():
-            for step in range(4):
-                if step == 2:
-                    model.bias.tril_(-3).add_(torch.ones_like(model.bias).tril(-40))  # no longer causal
+            for step in range(6):
+                if step == 2:  # a window of 5 keys: Mistral's sliding window
+                    model.bias.tril_().triu_(-4)
+                if step == 4:  # no longer a structure (rows 0-2 see no key: NaN in eager)
+                    model.bias.tril_(-3)
                 torch.testing.assert_close(fused(q, k, v), model(q, k, v), equal_nan=True, **TOL[q.dtype])
     finally:
-        sdpa._is_causal = real
-    assert calls == [True, False], calls  # checked once per value of the buffer, not per call
+        sdpa._structure, fuser.pipeline.run_attention = real, real_run
+    assert calls == [(0, None), (0, 5), None], calls  # checked once per value of the buffer, not per call
+    assert windowed == [5, 5]  # our kernel, on the two calls with the window
     (r,) = _attention_regions(fused)
-    assert "checked at run time" in r.source and r.kernel == "sdpa"
+    assert "checked at run time" in r.source and "sliding window" in r.source and r.kernel == "sdpa"
 
 
 def test_no_run_time_check_under_cuda_graphs(device):
