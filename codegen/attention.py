@@ -100,6 +100,7 @@ class ScoreMod:
     window: int | None = None
     helpers: tuple[str, ...] = ()  # sources of @triton.jit functions the lines call
     forms: tuple = ()  # per extra: IndexMask / LinearBias (computed from the indices), or None (loaded)
+    grad: tuple[str, ...] | None = None  # lines setting g = d(final s)/d(scaled s), for the backward; None: none
 
     def form(self, i: int):
         return self.forms[i] if i < len(self.forms) else None

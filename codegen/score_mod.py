@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.fx as fx
 
 from fuser import ops
 from fuser.graph import meta, packet
@@ -58,4 +59,58 @@ def score_mod(scores, chain: list, extras: list, cg, structure: tuple | None = N
     used = tuple(ops.helpers_for(text))
     offset, window = structure or (0, None)
     return ScoreMod(tuple(lines), n_extra=len(extras), helpers=used, causal=structure is not None,
-                    causal_offset=offset, window=window, forms=tuple(forms))
+                    causal_offset=offset, window=window, forms=tuple(forms), grad=_gradient(scores, chain, names))
+
+
+_ONE = {aten._to_copy, aten.clone, aten.alias, torch.ops.prims.convert_element_type}  # d/dx = 1 (a cast passes
+# the gradient straight through, as autograd does)
+
+
+def _gradient(scores, chain: list, names: dict) -> tuple[str, ...] | None:
+    """Lines setting g = d(last chain value)/d(scores), the product of each op's derivative along
+    the path from the scores (the forward's lines have run: their variables hold the values); None
+    where an op has no rule here or reads the path twice (s * s)."""
+    path, lines = {scores}, ["g = 1.0"]
+    if not chain:
+        return tuple(lines)
+
+    def val(a) -> str:
+        if isinstance(a, fx.Node):
+            return f"{names[a]}.to(tl.float32)"
+        return repr(float(a))
+    for n in chain:
+        on = [j for j, a in enumerate(n.args) if isinstance(a, fx.Node) and a in path]
+        if not on:
+            continue  # computes a mask or a bias from other values: no path through it
+        if len(on) > 1 and packet(n) is not aten.where:
+            return None
+        j, op, args, out = on[0], packet(n), n.args, f"{names[n]}.to(tl.float32)"
+        alpha = n.kwargs.get("alpha", 1)
+        if op in _ONE:
+            d = None
+        elif op is aten.add:
+            d = None if j == 0 or alpha == 1 else repr(float(alpha))
+        elif op is aten.sub:
+            d = None if j == 0 else repr(-float(alpha))
+        elif op is aten.mul:
+            d = val(args[1 - j])
+        elif op is aten.div and j == 0 and n.kwargs.get("rounding_mode") is None:
+            d = repr(1.0 / float(args[1])) if isinstance(args[1], (int, float)) else f"(1.0 / {val(args[1])})"
+        elif op is aten.neg:
+            d = "-1.0"
+        elif op is aten.tanh:
+            d = f"(1.0 - {out} * {out})"
+        elif op is aten.exp:
+            d = out
+        elif op is aten.sigmoid:
+            d = f"({out} * (1.0 - {out}))"
+        elif op is aten.where and len(args) == 3 and 0 not in on:
+            d = None if on == [1, 2] else f"tl.where({names[args[0]]}, {1.0 if j == 1 else 0.0}, {0.0 if j == 1 else 1.0})"
+        elif op is aten.masked_fill and j == 0:
+            d = f"tl.where({names[args[1]]}, 0.0, 1.0)"
+        else:
+            return None
+        if d is not None:
+            lines.append(f"g = g * {d}")
+        path.add(n)
+    return tuple(lines) if chain[-1] in path else None

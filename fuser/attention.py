@@ -1,12 +1,14 @@
-"""The attention op family on its own: its kernel's source (codegen/attention.py) launched by the
-runtime.  The pipeline builds the same pair for each recognised attention; this is the direct call,
-for tests, benchmarks and users of the kernel alone."""
+"""The attention op family on its own: its kernels' sources (codegen/attention.py, forward;
+codegen/attention_bwd.py, backward) launched by the runtime, through the custom op that training
+graphs call (`fuser::flash_attention`, fuser/pregrad.py), whose gradient is the backward kernels.
+This is the direct call, for tests, benchmarks and users of the kernel alone."""
 from __future__ import annotations
 
-from fuser.codegen.attention import ScoreMod, attention_source, prepare
+import torch
 
-from .dtypes import target
-from .runtime import run_attention
+from fuser.codegen.attention import ScoreMod
+
+from .pregrad import flash_attention_op, register_mod
 
 
 def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extras: tuple = (), return_lse: bool = False):
@@ -14,8 +16,11 @@ def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extr
 
     q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] with Hq % Hkv == 0; any strides.  ``extras`` are broadcastable to
     [B, Hq, M, N] and read in place.  Out: q's dtype, contiguous [B, Hq, M, D]; lse: fp32 [B, Hq, M].
+    Differentiable in q, k and v (the backward kernels recompute the scores; the mod's `grad` lines
+    give the score chain's derivative); extras get no gradient, and one that asks for it is an
+    error, not a silent zero.
     """
-    with target(q.device.type):
-        source = attention_source(mod, q.shape[-1], q.dtype)
-    out, lse = run_attention(source, prepare, q, k, v, tuple(extras), mod=mod, scale=scale, return_lse=return_lse)
+    if torch.is_grad_enabled() and any(isinstance(e, torch.Tensor) and e.requires_grad for e in extras):
+        raise NotImplementedError("flash_attention: no gradient for the score mod's extra tensors yet")
+    out, lse = flash_attention_op(q, k, v, list(extras), float(scale), register_mod(mod))
     return (out, lse) if return_lse else out

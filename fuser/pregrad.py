@@ -1,5 +1,5 @@
 """Attention claimed before AOT Autograd splits forward from backward, so training runs SDPA's own
-forward and backward.
+forward and backward, or ours.
 
 After AOT Autograd, a training forward already saves the N x N softmax probabilities for its
 backward, and the backward reads them: rewriting the forward then would change nothing the
@@ -7,7 +7,11 @@ backward does.  So for a graph that needs gradients, Dynamo's graph is first tra
 (make_fx, only softmax and dropout decomposed, so the recogniser sees them), each attention SDPA expresses exactly
 is rewritten as one SDPA call (codegen/sdpa.py), and that graph is what AOT Autograd traces: SDPA's
 derivative gives the flash/memory-efficient backward, and the forward saves O(N) (the log-sum-exp),
-not the scores.  Where nothing is claimed, Dynamo's graph goes to AOT Autograd untouched.
+not the scores.  An attention SDPA cannot express (soft-capping, ALiBi in fp32) becomes one call of
+the custom op `fuser::flash_attention` instead: our forward kernel, and, registered as its
+gradient, our backward kernels (codegen/attention_bwd.py), which recompute the scores from Q, K
+and the saved log-sum-exp; the score chain's derivative comes from codegen/score_mod.py.  Where
+nothing is claimed, Dynamo's graph goes to AOT Autograd untouched.
 
 The trace runs on Dynamo's own fake inputs, so symbolic sizes stay symbolic.  Left alone (the
 reason goes to the report): graphs that hold parameters as attributes (a trace would make them constants), and graphs whose meaning a plain
@@ -17,6 +21,10 @@ Autocast switched inside the graph is kept: the trace records the casts it makes
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import operator
+
 import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
@@ -24,8 +32,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fuser.codegen import sdpa
-from fuser.graph import ComputeGraph
-from fuser.patterns.attention import find, normalize_attention
+from fuser.codegen.attention import ScoreMod, attention_source, prepare
+from fuser.codegen.attention_bwd import attention_bwd_source, prepare_bwd
+from fuser.codegen.score_mod import score_mod
+from fuser.graph import ComputeGraph, meta
+from fuser.patterns.attention import extra_forms, find, mask_structure, normalize_attention
+
+from .dtypes import target
+from .runtime import run_attention, run_kernels
 
 aten = torch.ops.aten
 
@@ -99,11 +113,16 @@ def claim_attention(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule,
     normalize_attention(traced.graph)
     cg = ComputeGraph(traced.graph)
     notes, fixups = [], {}
+    learned = _needing_grad(traced.graph, example_inputs)
     for a in find(traced.graph, cg):
         try:
             text, _ = sdpa.lower(traced, a, fixups)
         except sdpa.NotExpressible as e:
-            notes.append(f"attention in training left to its ops (not SDPA: {e}; our kernel has no gradient yet)")
+            why = _claim_for_our_kernel(traced, a, cg, learned)
+            if why:
+                notes.append(f"attention in training left to its ops (not SDPA: {e}; not our kernel: {why})")
+            else:
+                notes.append(f"attention claimed before autograd (our kernel and its backward; not SDPA: {e})")
             continue
         notes.append(f"attention claimed before autograd (SDPA computes it and its gradient): {text}")
     if not any(n.startswith("attention claimed") for n in notes):
@@ -115,3 +134,109 @@ def claim_attention(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule,
     traced.meta.update(gm.meta)
     traced.recompile()
     return traced, notes
+
+
+def _needing_grad(graph: fx.Graph, example_inputs) -> set:
+    """The nodes computed from an input that needs a gradient (the trace's own values do not say)."""
+    needs, inputs = set(), iter(example_inputs)
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            x = next(inputs, None)
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                needs.add(n)
+        elif any(a in needs for a in n.all_input_nodes):
+            needs.add(n)
+    return needs
+
+
+def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set) -> str | None:
+    """Rewrites attention `a` as one `fuser::flash_attention` call; returns why not (the graph
+    unchanged), or None.  `learned`: the nodes that need a gradient."""
+    if a.dropout or a.safe:
+        return "dropout on the probabilities" if a.dropout else "SDPA's math path (fully masked rows give 0)"
+    if any(meta(n).device != meta(a.q).device for n in a.inputs):
+        return "operands on several devices"
+    biases = [e.name for e in a.extras if e in learned]
+    if biases:
+        return f"the score chain reads {', '.join(biases)}, which needs a gradient (a learned bias: not written yet)"
+    with target(meta(a.q).device.type):
+        mod = score_mod(a.scores, a.chain, a.extras, cg, mask_structure(a, cg), extra_forms(a))
+    if mod.grad is None:
+        ops = ", ".join(str(n.target) for n in a.chain)
+        return f"no derivative rule for an op of the score chain ({ops})"
+    with gm.graph.inserting_before(a.out):
+        call = gm.graph.call_function(torch.ops.fuser.flash_attention.default,
+                                      (a.q, a.k, a.v, list(a.extras), 1.0, register_mod(mod)))
+        out = gm.graph.call_function(operator.getitem, (call, 0))
+        if meta(a.out).dtype != meta(a.q).dtype:
+            out = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (out, meta(a.out).dtype))
+    a.out.replace_all_uses_with(out)
+    for n in reversed(a.nodes):
+        if not n.users:
+            gm.graph.erase_node(n)
+    return None
+
+
+# ------------------------------------------------------------------ the custom op and its gradient
+_MODS: dict[str, ScoreMod] = {}
+
+
+def register_mod(mod: ScoreMod) -> str:
+    """The op takes the score mod by name (a custom op's arguments are tensors and plain values)."""
+    key = hashlib.sha256(repr(mod).encode()).hexdigest()[:20]
+    _MODS[key] = mod
+    return key
+
+
+@functools.lru_cache(maxsize=128)
+def _source(make, mod: ScoreMod, head_dim: int, dtype, device_type: str) -> str:
+    with target(device_type):
+        return make(mod, head_dim, dtype)
+
+
+@torch.library.custom_op("fuser::flash_attention", mutates_args=())
+def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: list[torch.Tensor],
+                       scale: float, mod: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(mod(q @ k^T * scale)) @ v and its log-sum-exp, by our forward kernel."""
+    m = _MODS[mod]
+    source = _source(attention_source, m, q.shape[-1], q.dtype, q.device.type)
+    return run_attention(source, prepare, q, k, v, tuple(extras), mod=m, scale=scale, return_lse=True)
+
+
+@flash_attention_op.register_fake
+def _(q, k, v, extras, scale, mod):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("fuser::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, extras: list[torch.Tensor], scale: float,
+                                mod: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv by our backward kernels (dk, dv summed over the query heads of each K/V head)."""
+    m = _MODS[mod]
+    source = _source(attention_bwd_source, m, q.shape[-1], q.dtype, q.device.type)
+    dq, dk, dv, launches, args, meta_args = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m, scale=scale)
+    run_kernels(source, launches, args, meta_args, q.device.type)
+    d, (b, hkv, n) = q.shape[-1], k.shape[:3]
+    dk, dv = (x[..., :d].view(b, hkv, -1, n, d).sum(2) for x in (dk, dv))
+    return dq[..., :d].to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@flash_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, extras, scale, mod):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, extras, scale, mod = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], *extras)
+    ctx.scale, ctx.mod = scale, mod
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, *extras = ctx.saved_tensors
+    dq, dk, dv = flash_attention_backward_op(dout, q, k, v, out, lse, extras, ctx.scale, ctx.mod)
+    return dq, dk, dv, [None] * len(extras), None, None
+
+
+flash_attention_op.register_autograd(_backward, setup_context=_setup)

@@ -137,13 +137,13 @@ _absent = object()
 def load(source: str, name: str, device_type: str):
     """The jitted function `name` defined in `source`, made for `device_type` (interpreted on CPU)."""
     interp = interpreted(device_type)
-    hit = _loaded.get((source, interp))
+    hit = _loaded.get((source, name, interp))
     if hit is not None:
         return hit
     sha = hashlib.sha256(source.encode()).hexdigest()[:24]
     with _lock:
-        if (source, interp) in _loaded:
-            return _loaded[(source, interp)]
+        if (source, name, interp) in _loaded:
+            return _loaded[(source, name, interp)]
         path = os.path.join(cache_dir(), f"k_{sha}.py")
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -156,7 +156,7 @@ def load(source: str, name: str, device_type: str):
         with _interpret_knob(interp):
             spec.loader.exec_module(module)
         fn = getattr(module, name)
-        _loaded[(source, interp)] = fn
+        _loaded[(source, name, interp)] = fn
         return fn
 
 
@@ -623,6 +623,17 @@ def run_attention(source: str, prepare, q, k, v, extras=(), **kwargs):
     """Load the attention kernel `attention_fwd` in `source` and launch it as `prepare` says;
     returns (out, lse)."""
     return _launch_attention(load(source, "attention_fwd", q.device.type), prepare, q, k, v, extras, **kwargs)
+
+
+def run_kernels(source: str, launches, args, meta: dict, device_type: str):
+    """Launch, in order, the kernels `launches` [(name, grid)] of `source` on the same arguments (the
+    attention backward's two)."""
+    for name, grid in launches:
+        kernel = load(source, name, device_type)
+        if device_type == "cuda":
+            kernel[grid](*args, **meta)
+        else:
+            run_interpreted(kernel, grid, *args, **meta)
 
 
 def _launch_attention(kernel, prepare, q, k, v, extras, **kwargs):

@@ -138,6 +138,46 @@ def test_masks_and_biases_built_from_constants_are_computed_from_indices(form, m
     assert ("window 7" in r.source) == (form == "window"), r.source
 
 
+@pytest.mark.parametrize("form", ["soft-cap + causal", "alibi + causal", "learned bias (refused)"])
+def test_attention_sdpa_cannot_express_trains_through_our_backward(form, device):
+    """In training, an attention SDPA cannot express is claimed before autograd as our kernel: the
+    forward saves the log-sum-exp, not the scores, and the backward kernels recompute them, with the
+    score chain's derivative (tanh's, the mask's).  Gradients of q, k, v match autograd through the
+    fp64 program.  A bias that needs its own gradient is refused, with the reason."""
+    torch.manual_seed(5)
+    q, k, v = _qkv(device, m=45, n=45)
+    learned = torch.randn(3, 45, 45, device=device, requires_grad=True)
+    alibi = _constant_score_mod("alibi + causal", 45, 45, 3)
+
+    def attn(q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.25
+        if form == "soft-cap + causal":
+            s = 20.0 * torch.tanh(s / 20.0)
+            s = s.masked_fill(torch.ones(45, 45, device=s.device, dtype=torch.bool).triu(1), float("-inf"))
+        elif form == "alibi + causal":
+            s = alibi(s)
+        else:
+            s = 20.0 * torch.tanh(s / 20.0) + learned.to(s.dtype)
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+    before = len(fuser.reports())
+    w = torch.randn(q.shape, device=device)
+    xs = [x.detach().requires_grad_() for x in (q * 3, k, v)]
+    got = torch.autograd.grad((torch.compile(attn, backend="fuser")(*xs).float() * w).sum(), xs)
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    want = torch.autograd.grad((attn(*x64) * w.double()).sum(), x64)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.double(), r, atol=TOL[q.dtype]["atol"] * r.abs().max().item(), rtol=TOL[q.dtype]["rtol"])
+    notes = [n for r in fuser.reports()[before:] for n in r.notes if n.startswith("attention")]
+    if form == "learned bias (refused)":
+        assert any("left to its ops" in n and "learned bias" in n for n in notes), notes
+        return
+    # ALiBi's fp32 bias goes to SDPA in fp32, to our kernel in 16 bits (SDPA would round it)
+    ours = form == "soft-cap + causal" or q.dtype != torch.float32
+    assert any("claimed before autograd (our kernel and its backward" in n for n in notes) == ours, notes
+    assert not any("left to its ops" in n for n in notes), notes
+
+
 def test_additive_finfo_min_mask(device):
     torch.manual_seed(2)
     q, k, v = _qkv(device, m=23, n=23)
