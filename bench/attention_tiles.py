@@ -1,8 +1,9 @@
-"""Tile sweep of our own attention kernel (attention="triton") on the rows of attention_bench.py,
-forward, beside FlexAttention and SDPA in the same run: which (BLOCK_M, BLOCK_N, warps, stages)
-wins per head dim, and how far each row is from the libraries.  GPU only.
+"""Tile sweep of our own attention kernels (attention="triton") on the rows of attention_bench.py,
+beside FlexAttention and SDPA in the same run: which (BLOCK_M, BLOCK_N, warps, stages) wins per head
+dim, and how far each row is from the libraries.  Forward; with --backward, the backward kernels'
+tiles, timed as one training step (forward + backward) of the row.  GPU only.
 
-    python bench/attention_tiles.py [--rows 0,3,4] [--out DIR]
+    python bench/attention_tiles.py [--rows 0,3,4] [--backward] [--out DIR]
 """
 import argparse
 import datetime
@@ -18,12 +19,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attention_bench as ab  # noqa: E402
 import fuser.codegen.attention as attention_codegen  # noqa: E402
+import fuser.codegen.attention_bwd as attention_bwd  # noqa: E402
 
 CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); every one fits Hopper's shared memory in bf16
     64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 128, 4, 3),
          (128, 32, 4, 4)],
     128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4),
           (128, 64, 8, 4), (128, 128, 8, 2), (128, 64, 8, 2)],
+}
+
+
+BACKWARD = {  # the backward holds dK, dV (or dQ) accumulators beside Q, dO, K, V tiles: smaller tiles
+    64: [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2)],
+    128: [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2),
+          (64, 64, 8, 2), (32, 64, 4, 3)],
 }
 
 
@@ -65,10 +74,55 @@ def sweep(name, b, hq, hkv, s, d, variant):
     return row
 
 
+def sweep_backward(name, b, hq, hkv, s, d, variant):
+    """One training step of the row (fuser claims the attention before autograd as our kernel) per
+    backward tile config, beside FlexAttention's step."""
+    torch.manual_seed(0)
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    g = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    eager = ab.HandWritten(variant, hq // hkv, s, "cuda")
+
+    def step(fn):
+        def run():
+            for t in (q, k, v):
+                t.grad = None
+            fn(q, k, v).backward(g)
+        return run
+    row = {"row": name, "shape": f"B{b} H{hq}/{hkv} S{s} D{d}", "configs": {}}
+    step(eager)()
+    ref = q.grad.float().clone()  # err: dQ against eager's
+
+    def err():
+        return ((q.grad.float() - ref).norm() / ref.norm()).item()
+    flex = ab.flex_version(variant, b, hq, s, "cuda")
+    step(flex)()
+    row["flex"] = ms(step(flex))
+    torch._dynamo.reset()
+    fused = torch.compile(eager, backend="fuser")
+    plan = attention_bwd.attention_bwd_plan
+    try:
+        for cfg in BACKWARD[d]:
+            attention_bwd.attention_bwd_plan = lambda *a, cfg=cfg: cfg
+            try:
+                step(fused)()
+                row["configs"][str(cfg)] = {"ms": ms(step(fused)), "err": err()}
+            except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory)
+                row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+            print(name, "backward", cfg, row["configs"][str(cfg)], flush=True)
+    finally:
+        attention_bwd.attention_bwd_plan = plan
+    step(fused)()
+    row["shipped_err"] = err()
+    row["shipped"] = ms(step(fused))
+    return row
+
+
 def table(rows, gpu):
     lines = [f"# our attention kernel's tiles (forward, bf16): {gpu}, {datetime.date.today()}", "",
              f"torch {torch.__version__}; do_bench medians (ms); config = (BLOCK_M, BLOCK_N, warps, stages); "
-             "vs flex = flex ms / ours (>1: ours faster); err = ||a-b||/||b|| vs eager.", "",
+             "vs flex = flex ms / ours (>1: ours faster); err = ||a-b||/||b|| vs eager (the output; with "
+             "--backward, dQ of one forward + backward step).", "",
              "| row | shape | sdpa | flex | shipped | best config | best ms | best vs flex | err |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = {c: x for c, x in r["configs"].items() if "ms" in x}
@@ -88,14 +142,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--rows", help="comma-separated row indices of attention_bench.ROWS (default: all)")
+    ap.add_argument("--backward", action="store_true", help="the backward kernels' tiles (one training step)")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     picked = [ab.ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ab.ROWS
-    stem = Path(args.out) / f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{datetime.date.today()}-attention-tiles"
+    kind = "attention-tiles-backward" if args.backward else "attention-tiles"
+    stem = Path(args.out) / f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{datetime.date.today()}-{kind}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for spec in picked:
-        rows.append(sweep(*spec))
+        rows.append(sweep_backward(*spec) if args.backward else sweep(*spec))
         stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
         stem.with_suffix(".md").write_text(table(rows, gpu))
     print(table(rows, gpu))

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from fuser.dtypes import interpreting, math_import
-from fuser.plan import attention_plan
+from fuser.plan import attention_bwd_plan
 
 from .attention import _LOG2E, _TL_DTYPE, ScoreMod, _extra_lines, _indent
 
@@ -38,26 +38,71 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype) -> str:
         keep.append(f"(k_idx <= {qpos})")
     if mod.window is not None:
         keep.append(f"({qpos} - k_idx < {mod.window})")
-    scores = ["s = tl.dot(q, kT, input_precision=DOT_PRECISION) * scale"]
-    if mod.lines:
-        scores += _extra_lines(mod, False) + ["# score mod"] + [x.strip() for x in mod.lines]
-        scores += ["# its gradient: g = d(scores after the mod) / d(scores before)"] + [x.strip() for x in mod.grad]
-    else:
-        scores.append("g = 1.0")
-    scores += [f's = tl.where({" & ".join(keep)}, s, float("-inf"))',
-               "p = tl.exp2((s - lse[:, None]) * LOG2E)  # the forward's probabilities, recomputed",
-               "dp = tl.dot(do, vT, input_precision=DOT_PRECISION)",
-               "ds = tl.where(p == 0.0, 0.0, p * (dp - delta[:, None]) * g)  # masked scores pass no gradient"]
+    d_pad = block_d != head_dim
 
-    # query blocks that see key block start_n, and key blocks that query block start_m sees
-    m_range = ["m_lo = 0", "m_hi = M"]
-    n_range = ["n_lo = 0", "n_hi = N"]
+    def scores(full: bool) -> list[str]:
+        """P and dS of one tile.  A full tile (inside M, N and the structure) has no mask at all."""
+        lines = ["s = tl.dot(q, kT, input_precision=DOT_PRECISION) * scale"]
+        if mod.lines:
+            lines += _extra_lines(mod, full) + ["# score mod"] + [x.strip() for x in mod.lines]
+            lines += ["# its gradient: g = d(scores after the mod) / d(scores before)"] + [x.strip() for x in mod.grad]
+        else:
+            lines.append("g = 1.0")
+        if not full:
+            lines.append(f's = tl.where({" & ".join(keep)}, s, float("-inf"))')
+        lines += ["p = tl.exp2((s - lse[:, None]) * LOG2E)  # the forward's probabilities, recomputed",
+                  "dp = tl.dot(do, vT, input_precision=DOT_PRECISION)"]
+        lines.append("ds = p * (dp - delta[:, None]) * g" if full else
+                     "ds = tl.where(p == 0.0, 0.0, p * (dp - delta[:, None]) * g)  # masked scores pass no gradient")
+        return lines
+
+    def q_tiles(rows: str, full: bool) -> list[str]:
+        rm = None if full else "q_ok"
+        dm = "d_ok[None, :]" if d_pad else None
+        m2 = " & ".join(x for x in (rm, dm) if x)
+        m2 = f", mask={m2}, other=0.0" if m2 else ""
+        m1 = "" if full else ", mask=offs_m < M, other=float('inf')"
+        m0 = "" if full else ", mask=offs_m < M, other=0.0"
+        return [f"offs_m = {rows}", "q_idx = offs_m[:, None]", "q_ok = q_idx < M",
+                f"q = tl.load(q_base + q_idx * stride_qm + offs_d[None, :] * stride_qd{m2}){upcast}",
+                f"do = tl.load(do_base + q_idx * stride_om + offs_d[None, :] * stride_od{m2}){upcast}",
+                f"lse = tl.load(LSE + row + offs_m{m1})",
+                f"delta = tl.load(DELTA + row + offs_m{m0})"]
+
+    def k_tiles(cols: str, full: bool) -> list[str]:
+        km = " & ".join(x for x in ("d_ok[:, None]" if d_pad else None, None if full else "k_ok") if x)
+        km = f", mask={km}, other=0.0" if km else ""
+        return [f"kn = {cols}", "k_idx = kn[None, :]", "k_ok = k_idx < N",
+                f"kT = tl.load(k_base + offs_d[:, None] * stride_kd + k_idx * stride_kn{km}){upcast}",
+                f"vT = tl.load(v_base + offs_d[:, None] * stride_vd + k_idx * stride_vn{km}){upcast}"]
+
+    def loop(var: str, lo: str, hi: str, block: str, body: list[str], what: str) -> list[str]:
+        return [f"# {what}", f"for {var} in range({lo}, {hi}, {block}):"] + ["    " + x for x in body]
+
+    # dK, dV: the query blocks that see key block start_n, [m_lo, m_hi); inside, [mf_lo, mf_hi) see it whole
+    row_k = f"start_n - {off}" if off else "start_n"  # the first query position that sees key start_n
+    m_range = ["m_lo = 0", "m_hi = M", "mf_lo = 0", "mf_hi = M // BLOCK_M * BLOCK_M"]
     if mod.causal:  # key k is seen by the queries q + off >= k
-        m_range[0] = f"m_lo = tl.maximum(start_n - {off}, 0) // BLOCK_M * BLOCK_M"
-        n_range[1] = f"n_hi = tl.minimum(N, start_m * BLOCK_M + {off} + BLOCK_M)"
+        m_range[0] = f"m_lo = tl.maximum({row_k}, 0) // BLOCK_M * BLOCK_M"
+        m_range[2] = f"mf_lo = (tl.maximum({row_k} + BLOCK_N - 1, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M"
     if mod.window is not None:  # and by the queries with q + off - k < window
-        m_range[1] = f"m_hi = tl.minimum(M, start_n + BLOCK_N - 1 - {off} + {mod.window})"
-        n_range[0] = f"n_lo = tl.maximum(0, start_m * BLOCK_M + {off} - {mod.window - 1}) // BLOCK_N * BLOCK_N"
+        m_range[1] = f"m_hi = tl.minimum(M, {row_k} + BLOCK_N - 1 + {mod.window})"
+        m_range[3] = (f"mf_hi = tl.minimum(M // BLOCK_M * BLOCK_M, (tl.maximum({row_k} + {mod.window} - BLOCK_M + 1, 0)"
+                      f" + BLOCK_M - 1) // BLOCK_M * BLOCK_M)")
+    m_range += ["mf_lo = tl.minimum(tl.maximum(mf_lo, m_lo), m_hi)",
+                "mf_hi = tl.where(start_n + BLOCK_N <= N, tl.minimum(tl.maximum(mf_hi, mf_lo), m_hi), mf_lo)"]
+    # dQ: the key blocks query block start_m sees, [n_lo, n_hi); inside, [nf_lo, nf_hi) seen whole
+    row0 = f"start_m * BLOCK_M + {off}" if off else "start_m * BLOCK_M"
+    n_range = ["n_lo = 0", "n_hi = N", "nf_lo = 0", "nf_hi = N // BLOCK_N * BLOCK_N"]
+    if mod.causal:
+        n_range[1] = f"n_hi = tl.minimum(N, {row0} + BLOCK_M)"
+        n_range[3] = f"nf_hi = tl.minimum(tl.maximum({row0} + 1, 0) // BLOCK_N * BLOCK_N, N // BLOCK_N * BLOCK_N)"
+    if mod.window is not None:
+        n_range[0] = f"n_lo = tl.maximum(0, {row0} - {mod.window - 1}) // BLOCK_N * BLOCK_N"
+        n_range[2] = (f"nf_lo = (tl.maximum({row0} + BLOCK_M - {mod.window}, 0) + BLOCK_N - 1)"
+                      " // BLOCK_N * BLOCK_N")
+    n_range += ["nf_lo = tl.minimum(tl.maximum(nf_lo, n_lo), n_hi)",
+                "nf_hi = tl.where(start_m * BLOCK_M + BLOCK_M <= M, tl.minimum(tl.maximum(nf_hi, nf_lo), n_hi), nf_lo)"]
 
     extra_params = "".join(f"extra{i}_ptr, extra{i}_s0, extra{i}_s1, extra{i}_s2, extra{i}_s3,\n    "
                            for i in range(mod.n_extra))
@@ -85,32 +130,28 @@ row = bh.to(tl.int64) * M  # LSE, DELTA: [B*Hq, M]
 offs_d = tl.arange(0, BLOCK_D)
 d_ok = offs_d < HEAD_DIM""".split("\n")
 
-    def q_tiles(rows: str) -> list[str]:
-        return [f"offs_m = {rows}", "q_idx = offs_m[:, None]", "q_ok = q_idx < M",
-                f"q = tl.load(q_base + q_idx * stride_qm + offs_d[None, :] * stride_qd, mask=q_ok & d_ok[None, :], other=0.0){upcast}",
-                f"do = tl.load(do_base + q_idx * stride_om + offs_d[None, :] * stride_od, mask=q_ok & d_ok[None, :], other=0.0){upcast}",
-                "lse = tl.load(LSE + row + offs_m, mask=offs_m < M, other=float('inf'))",
-                "delta = tl.load(DELTA + row + offs_m, mask=offs_m < M, other=0.0)"]
+    def dkdv_body(full: bool) -> list[str]:
+        return [*q_tiles("start_m + tl.arange(0, BLOCK_M)", full), *scores(full),
+                f"dv += tl.dot(tl.trans(p.to({low})), do, input_precision=DOT_PRECISION)",
+                f"dk += tl.dot(tl.trans(ds.to({low})), q, input_precision=DOT_PRECISION)"]
 
-    def k_tiles(cols: str) -> list[str]:
-        return [f"kn = {cols}", "k_idx = kn[None, :]", "k_ok = k_idx < N",
-                f"kT = tl.load(k_base + offs_d[:, None] * stride_kd + k_idx * stride_kn, mask=d_ok[:, None] & k_ok, other=0.0){upcast}",
-                f"vT = tl.load(v_base + offs_d[:, None] * stride_vd + k_idx * stride_vn, mask=d_ok[:, None] & k_ok, other=0.0){upcast}"]
+    def dq_body(full: bool) -> list[str]:
+        return [*k_tiles("start_n + tl.arange(0, BLOCK_N)", full), *scores(full),
+                f"dq += tl.dot(ds.to({low}), tl.trans(kT), input_precision=DOT_PRECISION)"]
 
-    dkdv = head + ["start_n = tl.program_id(0) * BLOCK_N"] + k_tiles("start_n + tl.arange(0, BLOCK_N)") + [
+    dkdv = head + ["start_n = tl.program_id(0) * BLOCK_N"] + k_tiles("start_n + tl.arange(0, BLOCK_N)", False) + [
         "dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)", "dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)", *m_range,
-        "for start_m in range(m_lo, m_hi, BLOCK_M):"] + ["    " + x for x in [
-            *q_tiles("start_m + tl.arange(0, BLOCK_M)"), *scores,
-            f"dv += tl.dot(tl.trans(p.to({low})), do, input_precision=DOT_PRECISION)",
-            f"dk += tl.dot(tl.trans(ds.to({low})), q, input_precision=DOT_PRECISION)"]] + [
+        *loop("start_m", "m_lo", "mf_lo", "BLOCK_M", dkdv_body(False), "query blocks on the diagonal: masked"),
+        *loop("start_m", "mf_lo", "mf_hi", "BLOCK_M", dkdv_body(True), "query blocks that see the whole key block: no mask"),
+        *loop("start_m", "mf_hi", "m_hi", "BLOCK_M", dkdv_body(False), "the window's edge and the last block past M: masked"),
         "out = (bh.to(tl.int64) * N + kn[:, None]) * BLOCK_D + offs_d[None, :]  # fp32 [B*Hq, N, BLOCK_D]",
         "tl.store(DK + out, dk * scale, mask=kn[:, None] < N)",
         "tl.store(DV + out, dv, mask=kn[:, None] < N)"]
-    dq = head + ["start_m = tl.program_id(0)"] + q_tiles("start_m * BLOCK_M + tl.arange(0, BLOCK_M)") + [
+    dq = head + ["start_m = tl.program_id(0)"] + q_tiles("start_m * BLOCK_M + tl.arange(0, BLOCK_M)", False) + [
         "dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)", *n_range,
-        "for start_n in range(n_lo, n_hi, BLOCK_N):"] + ["    " + x for x in [
-            *k_tiles("start_n + tl.arange(0, BLOCK_N)"), *scores,
-            f"dq += tl.dot(ds.to({low}), tl.trans(kT), input_precision=DOT_PRECISION)"]] + [
+        *loop("start_n", "n_lo", "nf_lo", "BLOCK_N", dq_body(False), "key blocks at the window's edge: masked"),
+        *loop("start_n", "nf_lo", "nf_hi", "BLOCK_N", dq_body(True), "key blocks the whole query block sees: no mask"),
+        *loop("start_n", "nf_hi", "n_hi", "BLOCK_N", dq_body(False), "the diagonal's key blocks and the last past N: masked"),
         "tl.store(DQ + (bh.to(tl.int64) * M + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * scale, mask=q_ok)"]
     return f'''\
 # Generated by fuser.codegen.attention_bwd: FlashAttention-2 backward, {len(mod.lines)} score-mod line(s).
@@ -145,7 +186,7 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     made contiguous like out; delta = rowsum(dO * O) in fp32 (FlashAttention-2's D)."""
     B, Hq, M, D = q.shape
     N = k.shape[2]
-    block_m, block_n, num_warps, num_stages = attention_plan(D, q.dtype, q.is_cuda)
+    block_m, block_n, num_warps, num_stages = attention_bwd_plan(D, q.dtype, q.is_cuda)
     block_d = max(16, triton.next_power_of_2(D))
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1)

@@ -78,3 +78,13 @@ def attention_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, int, i
     if head_dim <= 64:
         return 128, 64, 8, 3
     return (64, 64, 4, 3) if head_dim <= 128 else (128, 64, 8, 2)
+
+
+def attention_bwd_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the attention backward's two kernels.  GPU, 16-bit,
+    D128: 64x64, 4 warps, 2 stages won a sweep of 8 on H100 (bench/attention_tiles.py --backward,
+    2026-11-24 run 24: soft-cap 5.02 ms a step against 5.88 with the forward's 3 stages; ALiBi 4.16
+    against 4.47); other head dims and dtypes take the forward's plan until swept."""
+    if on_gpu and dtype != torch.float32 and 64 < head_dim <= 128:
+        return 64, 64, 4, 2
+    return attention_plan(head_dim, dtype, on_gpu)

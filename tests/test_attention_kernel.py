@@ -291,6 +291,8 @@ BWD_CASES = {  # name: (B, Hq, Hkv, M, N, D, ScoreMod, reference mod, reference 
     "causal, prefill offset": (1, 2, 2, 20, 45, 16, ScoreMod((), causal=True, causal_offset=25), None,
                                dict(causal=True, offset=25)),
     "window": (1, 2, 2, 50, 50, 16, ScoreMod((), causal=True, window=9), None, dict(causal=True, window=9)),
+    "wide window, whole tiles inside it": (1, 2, 2, 70, 70, 16, ScoreMod((), causal=True, window=40), None,
+                                           dict(causal=True, window=40)),
     "GQA 4/2, causal": (2, 4, 2, 33, 33, 16, ScoreMod((), causal=True), None, dict(causal=True)),
     "tanh soft-cap": (1, 2, 1, 37, 37, 32, ScoreMod(("s = 5.0 * (1.0 - 2.0 / (tl.exp(2.0 * s / 5.0) + 1.0))",),
                                                     causal=True, grad=("g = 1.0 - (s / 5.0) * (s / 5.0)",)),
