@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fuser.codegen import sdpa
-from fuser.codegen.attention import ScoreMod, attention_source, prepare
+from fuser.codegen.attention import LinearBias, ScoreMod, attention_source, prepare
 from fuser.codegen.attention_bwd import attention_bwd_source, prepare_bwd
 from fuser.codegen.score_mod import score_mod
 from fuser.graph import ComputeGraph, meta
@@ -165,8 +165,9 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set)
         ops = ", ".join(str(n.target) for n in a.chain)
         return f"no derivative rule for an op of the score chain ({ops})"
     with gm.graph.inserting_before(a.out):
+        extras = [_what_the_kernel_reads(gm.graph, e, mod.form(i)) for i, e in enumerate(a.extras)]
         call = gm.graph.call_function(torch.ops.fuser.flash_attention.default,
-                                      (a.q, a.k, a.v, list(a.extras), 1.0, register_mod(mod)))
+                                      (a.q, a.k, a.v, extras, 1.0, register_mod(mod)))
         out = gm.graph.call_function(operator.getitem, (call, 0))
         if meta(a.out).dtype != meta(a.q).dtype:
             out = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (out, meta(a.out).dtype))
@@ -175,6 +176,17 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set)
         if not n.users:
             gm.graph.erase_node(n)
     return None
+
+
+def _what_the_kernel_reads(graph: fx.Graph, e: fx.Node, form) -> fx.Node:
+    """An extra the kernel computes from the positions is not read whole: a structural mask not at
+    all, a slope * (k - q) bias at q = 0, k = 1 only.  The op gets that element per batch and head
+    (a copy, so the M x N tensor is not kept for the backward, nor made where it can be fused away)."""
+    if form is None:
+        return e
+    k = slice(1, 2) if isinstance(form, LinearBias) else slice(0, 1)
+    one_row = graph.call_function(aten.slice.Tensor, (e, -2, 0, 1))
+    return graph.call_function(aten.clone.default, (graph.call_function(aten.slice.Tensor, (one_row, -1, k.start, k.stop)),))
 
 
 # ------------------------------------------------------------------ the custom op and its gradient

@@ -138,7 +138,8 @@ def test_masks_and_biases_built_from_constants_are_computed_from_indices(form, m
     assert ("window 7" in r.source) == (form == "window"), r.source
 
 
-@pytest.mark.parametrize("form", ["soft-cap + causal", "alibi + causal", "learned bias (refused)"])
+@pytest.mark.parametrize("form", ["soft-cap + causal", "alibi + causal", "soft-cap + alibi + causal",
+                                  "learned bias (refused)"])
 def test_attention_sdpa_cannot_express_trains_through_our_backward(form, device):
     """In training, an attention SDPA cannot express is claimed before autograd as our kernel: the
     forward saves the log-sum-exp, not the scores, and the backward kernels recompute them, with the
@@ -156,6 +157,8 @@ def test_attention_sdpa_cannot_express_trains_through_our_backward(form, device)
             s = s.masked_fill(torch.ones(45, 45, device=s.device, dtype=torch.bool).triu(1), float("-inf"))
         elif form == "alibi + causal":
             s = alibi(s)
+        elif form == "soft-cap + alibi + causal":
+            s = alibi(20.0 * torch.tanh(s / 20.0))
         else:
             s = 20.0 * torch.tanh(s / 20.0) + learned.to(s.dtype)
         return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
@@ -173,7 +176,7 @@ def test_attention_sdpa_cannot_express_trains_through_our_backward(form, device)
         assert any("left to its ops" in n and "learned bias" in n for n in notes), notes
         return
     # ALiBi's fp32 bias goes to SDPA in fp32, to our kernel in 16 bits (SDPA would round it)
-    ours = form == "soft-cap + causal" or q.dtype != torch.float32
+    ours = form.startswith("soft-cap") or q.dtype != torch.float32
     assert any("claimed before autograd (our kernel and its backward" in n for n in notes) == ours, notes
     assert not any("left to its ops" in n for n in notes), notes
 
