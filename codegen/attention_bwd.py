@@ -6,6 +6,7 @@ walks the query blocks for one key block (dK, dV), `attention_bwd_dq` walks the 
 query block (dQ); each recomputes P.  The score chain's gradient is `ScoreMod.grad`: lines that set
 `g`, d(final scores)/d(scaled scores), from the forward's variables (the lines are recomputed
 first).  With GQA, dK and dV come out per query head in fp32 and are summed over the group after.
+Every tile of dQ, dK and dV is written by one program (no atomics), each element once.
 """
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ d_ok = offs_d < HEAD_DIM""".split("\n")
         *loop("start_m", "m_lo", "mf_lo", "BLOCK_M", dkdv_body(False), "query blocks on the diagonal: masked"),
         *loop("start_m", "mf_lo", "mf_hi", "BLOCK_M", dkdv_body(True), "query blocks that see the whole key block: no mask"),
         *loop("start_m", "mf_hi", "m_hi", "BLOCK_M", dkdv_body(False), "the window's edge and the last block past M: masked"),
-        "out = (bh.to(tl.int64) * N + kn[:, None]) * BLOCK_D + offs_d[None, :]  # fp32 [B*Hq, N, BLOCK_D]",
+        "out = (bh.to(tl.int64) * N + kn[:, None]) * BLOCK_D + offs_d[None, :]  # [B*Hq, N, BLOCK_D]",
         "tl.store(DK + out, dk * scale, mask=kn[:, None] < N)",
         "tl.store(DV + out, dv, mask=kn[:, None] < N)"]
     dq = head + ["start_m = tl.program_id(0)"] + q_tiles("start_m * BLOCK_M + tl.arange(0, BLOCK_M)", False) + [
@@ -190,9 +191,13 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     block_d = max(16, triton.next_power_of_2(D))
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1)
-    dq = torch.zeros((B, Hq, M, block_d), dtype=torch.float32, device=q.device)
-    dk = torch.zeros((B, Hq, N, block_d), dtype=torch.float32, device=q.device)
-    dv = torch.zeros((B, Hq, N, block_d), dtype=torch.float32, device=q.device)
+    # each program owns the rows it stores, so the gradients are written in the inputs' dtype, rounded
+    # once; fp32 only where a padded head dim is cut after, or GQA's heads are summed after
+    whole = block_d == D
+    dq = torch.empty((B, Hq, M, block_d), dtype=q.dtype if whole else torch.float32, device=q.device)
+    kv_dtype = q.dtype if whole and Hq == k.shape[1] else torch.float32
+    dk = torch.empty((B, Hq, N, block_d), dtype=kv_dtype, device=q.device)
+    dv = torch.empty((B, Hq, N, block_d), dtype=kv_dtype, device=q.device)
     extra_args = []
     for e in extras:
         e = e.expand(B, Hq, M, N)

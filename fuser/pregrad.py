@@ -230,8 +230,9 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     dq, dk, dv, launches, args, meta_args = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m, scale=scale)
     run_kernels(source, launches, args, meta_args, q.device.type)
     d, (b, hkv, n) = q.shape[-1], k.shape[:3]
-    dk, dv = (x[..., :d].view(b, hkv, -1, n, d).sum(2) for x in (dk, dv))
-    return dq[..., :d].to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if q.shape[1] != hkv:  # per query head: summed over the heads sharing a K/V head
+        dk, dv = (x[..., :d].view(b, hkv, -1, n, d).sum(2) for x in (dk, dv))
+    return dq[..., :d].to(q.dtype), dk[..., :d].to(k.dtype), dv[..., :d].to(v.dtype)
 
 
 @flash_attention_backward_op.register_fake
