@@ -159,8 +159,14 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set)
     biases = [e.name for e in a.extras if e in learned]
     if biases:
         return f"the score chain reads {', '.join(biases)}, which needs a gradient (a learned bias: not written yet)"
-    with target(meta(a.q).device.type):
-        mod = score_mod(a.scores, a.chain, a.extras, cg, mask_structure(a, cg), extra_forms(a))
+    dtype, head_dim = meta(a.q).dtype, meta(a.q).shape[-1]
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (isinstance(head_dim, int) and head_dim <= 256):
+        return f"{dtype} q with head dim {head_dim} (the kernel takes 16- and 32-bit floats, head dims up to 256)"
+    try:
+        with target(meta(a.q).device.type):
+            mod = score_mod(a.scores, a.chain, a.extras, cg, mask_structure(a, cg), extra_forms(a))
+    except ValueError as e:
+        return str(e)
     if mod.grad is None:
         ops = ", ".join(str(n.target) for n in a.chain)
         return f"no derivative rule for an op of the score chain ({ops})"

@@ -517,3 +517,24 @@ def test_sdpa_math_path_with_upcast_inputs_but_an_fp32_mask_is_left_decomposed(d
     fused = _check(attn, q, k, v, attention=0)
     assert fused.report.regions  # the softmax is still fused
     assert any("left to its ops" in n and "fp32 mask" in n for n in fused.report.notes), fused.report.notes
+
+
+def test_attention_in_float64_training_stays_with_its_ops(device):
+    """Our kernel takes 16- and 32-bit floats: a float64 attention SDPA cannot express is left to its
+    ops in training, with the reason, and its gradients are eager's."""
+    torch.manual_seed(6)
+    q, k, v = (x.double() for x in _qkv(device, m=21, n=21))
+
+    def attn(q, k, v):
+        s = 20.0 * torch.tanh(q @ k.transpose(-1, -2) * 0.25 / 20.0)
+        return torch.softmax(s, dim=-1) @ v
+
+    before = len(fuser.reports())
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    got = torch.autograd.grad(torch.compile(attn, backend="fuser")(*xs).sum(), xs)
+    x2 = [x.detach().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(attn(*x2).sum(), x2)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+    notes = [n for r in fuser.reports()[before:] for n in r.notes if n.startswith("attention")]
+    assert any("left to its ops" in n and "torch.float64" in n for n in notes), notes
