@@ -1,10 +1,12 @@
 """Whole models, eager vs Inductor vs fuser: step time, host/kernel split, memory, compile time, error.
 
-Six HF transformers models with random weights (torch.manual_seed(0)), bf16, eval, no_grad, on cuda:
+Seven HF transformers models with random weights (torch.manual_seed(0)), bf16, eval, no_grad, on cuda:
 gpt2 (4 layers, B4 T512), llama-gqa (d2048, 16 heads / 4 KV heads, 4 layers, B4 T512), bert-padded
 (4 layers, B8 T256, last 64 positions masked out on every other row), vit (4 layers, 224 px, patch 16,
 B32), t5-encoder (relative-position bias, 4 layers, B8 T256) and llama-decode (llama-gqa, B1, one new
-token over a StaticCache holding 1024 prefilled tokens; every call writes the same slot).
+token over a StaticCache holding 1024 prefilled tokens; every call writes the same slot) and
+gemma2-softcap (llama-gqa's sizes, attention logits soft-capped at 50, no sliding window: the
+attention SDPA cannot express, our kernel's, forward and backward).
 
 Systems, each a fresh compile after torch._dynamo.reset(): eager (eager attention), eager+sdpa,
 inductor, inductor-ro (mode="reduce-overhead"), fuser (backend="fuser"), fuser-cg (backend="fuser",
@@ -57,8 +59,9 @@ TRAIN_SYSTEMS = ["eager", "eager+sdpa", "inductor", "fuser", "fuser-eager-attn"]
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
               "bert-padded": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
               "vit": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-              "t5-encoder": dict(dropout_rate=0.0), "llama-gqa": dict(attention_dropout=0.0)}
-MODELS = ["gpt2", "llama-gqa", "bert-padded", "vit", "t5-encoder", "llama-decode"]
+              "t5-encoder": dict(dropout_rate=0.0), "llama-gqa": dict(attention_dropout=0.0),
+              "gemma2-softcap": dict(attention_dropout=0.0)}
+MODELS = ["gpt2", "llama-gqa", "bert-padded", "vit", "t5-encoder", "llama-decode", "gemma2-softcap"]
 
 
 # ---------------------------------------------------------------- models
@@ -101,6 +104,13 @@ def _config(name, d):
             d_model=g("t5_hidden", "hidden"), d_ff=g("t5_ffn", "ffn"), num_heads=g("t5_heads", "heads"),
             d_kv=g("t5_hidden", "hidden") // g("t5_heads", "heads"), num_layers=d["layers"], vocab_size=d["vocab"],
             use_cache=False)
+    if name == "gemma2-softcap":  # attention logits soft-capped (50), GQA, every layer global (no window)
+        return tf.Gemma2ForCausalLM, tf.Gemma2Config, dict(
+            hidden_size=g("llama_hidden", "hidden"), num_attention_heads=g("llama_heads", "heads"),
+            num_key_value_heads=d["kv_heads"], head_dim=g("llama_hidden", "hidden") // g("llama_heads", "heads"),
+            intermediate_size=g("llama_ffn", "ffn"), num_hidden_layers=d["layers"], vocab_size=g("llama_vocab", "vocab"),
+            max_position_embeddings=2048, attn_logit_softcapping=50.0, final_logit_softcapping=None,
+            sliding_window=4096, layer_types=["full_attention"] * d["layers"], use_cache=False)
     raise ValueError(name)
 
 
@@ -128,7 +138,7 @@ def _inputs(name, d, model, device):
     """Keyword arguments of one forward call, and the name of the output compared."""
     torch.manual_seed(0)
     vocab = getattr(model.config, "vocab_size", None)
-    if name in ("gpt2", "llama-gqa"):
+    if name in ("gpt2", "llama-gqa", "gemma2-softcap"):
         return {"input_ids": torch.randint(0, vocab, (d["batch"], d["seq"]), device=device), "use_cache": False}, "logits"
     if name == "bert-padded":
         b, t = d.get("bert_batch", d["batch"]), d.get("bert_seq", d["seq"])
