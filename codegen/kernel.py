@@ -78,7 +78,7 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
             rendered.append(literal(a))
         elif isinstance(a, torch.fx.Node) and meta(a) is not None:
             v = operand(a)
-            keep = kind.cast or (meta(a).dtype == torch.bool and pos in kind.bool_args)
+            keep = kind.cast or pos in kind.raw_args or (meta(a).dtype == torch.bool and pos in kind.bool_args)
             rendered.append(v if keep else convert(v, dtypes[v], op_dt))
         elif isinstance(a, (bool, int, float)):
             rendered.append(literal(a))

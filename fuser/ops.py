@@ -47,6 +47,7 @@ class Pointwise:
     cast: bool = False            # a dtype conversion: the value is rounded to the result dtype
     bool_args: tuple = ()         # operand positions read as conditions (kept bool, not converted)
     checks: Callable | None = None  # (args: Args) -> list[Check]: what eager raises on
+    raw_args: tuple = ()          # operand positions read in their own dtype, never converted (a seed)
 
 
 @dataclass(frozen=True)
@@ -326,6 +327,37 @@ POINTWISE = {
     aten._to_copy: P(lambda a: a[0], cast=True), prims.convert_element_type: P(lambda a: a[0], cast=True),
     aten.full: P(_fill), aten.full_like: P(_fill), aten.scalar_tensor: P(_fill),
     aten.arange: P(_arange),
+}
+
+
+def dropout_expr(x: str, seed: str, index: str, p: float, offset: int) -> str:
+    """fuser::dropout (fuser/dropout.py) of the value x at `index`, the element's index in the
+    contiguous numbering of its shape, as Triton source: written once here for the fused lowering and
+    the op's own kernel, so both draw the same masks bit for bit.
+
+    Kept where Philox's uniform u in [0, 1) at counter offset + index (int64: no wrap) is >= p, so
+    P(kept) = 1 - p, p = 0 keeps all and p = 1 none; kept x * (1 / (1 - p)), dropped x * 0.0: eager's
+    x * mask * scale (one rounding), so a NaN or inf dropped is NaN there and here."""
+    if p == 0:
+        return x
+    if p == 1:
+        return f"({x} * 0.0)"  # eager's scale is 0 here, never 1 / 0
+    # + seed * 0: the counter as an int64 tensor whatever the index is (an int32 block, or the literal
+    # 0 of a 0-d tensor); compiled Triton has no tl.to_tensor
+    u = f"tl.rand({seed}, {index} + {seed} * 0 + {offset})"
+    return f"tl.where({u} >= {literal(float(p))}, {x} * {literal(1.0 / (1.0 - p))}, {x} * 0.0)"
+
+
+def _dropout(a: Args) -> str:
+    p, offset = a.node.args[2:4]
+    return dropout_expr(a[0], a[1], ix.texpr(ix.linearize(a.index, _shape(a.node))), p, offset)
+
+
+# Ops of our own, matched by qualified name: fuser/dropout.py defines fuser::dropout (its eager
+# kernel needs the runtime, a higher layer this table must not import), and the name is what the op
+# is in every graph, traced or not.
+NAMED = {
+    "fuser::dropout": P(_dropout, raw_args=(1,)),  # the seed stays int64
 }
 
 
@@ -860,6 +892,7 @@ OPAQUE = {
     aten.copy_: "writes a mutated input's new value back into it (a buffer, a cache), as AOT Autograd did after the graph",
     aten.bernoulli: "random numbers are left to eager",
     aten.rand: "random numbers are left to eager", aten.randn: "random numbers are left to eager",
+    aten.randint: "random numbers are left to eager (fuser::dropout's seed is one)",
 }
 
 # SDPA kernels stay whole (they already never write the scores); the core decompositions would
@@ -880,6 +913,8 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     for table in (POINTWISE, LAYOUT, REDUCTION):
         if packet in table:
             return table[packet]
+    if isinstance(target, torch._ops.OpOverload) and target.name() in NAMED:
+        return NAMED[target.name()]
     return Opaque(f"no Triton lowering for {target}")
 
 
