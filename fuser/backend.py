@@ -15,7 +15,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .pipeline import compile_graph
-from .pregrad import claim_attention
+from .pregrad import claim
 from .decompositions import decompositions
 from .runtime import CudaGraphs, EagerCheckError, NotForTheseSizes, cuda_graph_refusal, static_inputs
 from .report import FusionReport
@@ -27,7 +27,11 @@ _lock = threading.Lock()
 # option -> (default, allowed values, what it does)
 OPTIONS = {"attention": (True, (True, False, "triton"), "recognise hand-written attention: True runs it as SDPA where "
                          "that is exact, else as our flash kernel; 'triton' always as our kernel; False leaves it"),
-           "cuda_graphs": (False, (True, False), "replay each graph's kernels as CUDA graphs (GPU only)")}
+           "cuda_graphs": (False, (True, False), "replay each graph's kernels as CUDA graphs (GPU only)"),
+           "fused_loss": (True, (True, False), "in training, a linear layer whose logits feed only a cross-entropy "
+                          "runs as one chunked op that never holds the logits whole (fuser/linear_ce.py)"),
+           "dropout": (True, (True, False), "in training, dropout runs inside the fused regions from a seed drawn "
+                       "per call, its mask regenerated in the backward, never stored (fuser/dropout.py); False: eager")}
 # torch.compile's modes, as fuser options: reduce-overhead is CUDA graphs; fuser does not autotune
 # (yet), so max-autotune is read as reduce-overhead and max-autotune-no-cudagraphs as default
 MODES = {"default": {}, "reduce-overhead": {"cuda_graphs": True}, "max-autotune": {"cuda_graphs": True},
@@ -99,7 +103,7 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
     opts = validate(options)
 
     n_dynamo_inputs = [0]  # of the graph Dynamo gave (set per graph, below)
-    claimed: list[str] = []  # what claim_attention did to the graph being compiled, for its forward's report
+    claimed: list[str] = []  # what pregrad.claim did to the graph being compiled, for its forward's report
 
     def compiler(backward: bool, inference: bool = False):
         def compile_(gm, example_inputs):
@@ -136,8 +140,8 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
         n_dynamo_inputs[0] = len(example_inputs)
         try:
             claimed[:] = []
-            if opts["attention"] is True:
-                gm, claimed[:] = _claimed(gm, example_inputs)
+            if opts["attention"] is True or opts["fused_loss"] or opts["dropout"]:
+                gm, claimed[:] = _claimed(gm, example_inputs, opts["attention"] is True, opts["fused_loss"], opts["dropout"])
             return aot(gm, example_inputs)
         except (RestartAnalysis, SkipFrame):
             raise  # Dynamo's own control flow (e.g. a 0-d float input made a SymFloat): not a failure
@@ -151,13 +155,14 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
     return backend
 
 
-def _claimed(gm, example_inputs):
-    """claim_attention, or Dynamo's graph as given (with the reason) where the trace it makes fails."""
+def _claimed(gm, example_inputs, attention: bool, loss: bool, dropout: bool):
+    """pregrad.claim, or Dynamo's graph as given (with the reason) where the trace it makes fails."""
     try:
-        return claim_attention(gm, example_inputs)
+        return claim(gm, example_inputs, attention, loss, dropout)
     except Exception as e:  # noqa: BLE001 - a failure here must cost the claim, not the graph
-        log.warning("fuser: attention in training left to its ops: %s: %s", type(e).__name__, e)
-        return gm, [f"attention in training left to its ops: the trace before autograd failed: {type(e).__name__}: {e}"[:300]]
+        log.warning("fuser: attention, loss and dropout in training left to their ops: %s: %s", type(e).__name__, e)
+        return gm, [f"attention, loss and dropout in training left to their ops: the trace before autograd failed: "
+                    f"{type(e).__name__}: {e}"[:300]]
 
 
 def _cuda_graphed(run, gm, static: list, report: FusionReport, backward: bool, inference: bool, ran):

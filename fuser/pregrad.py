@@ -1,5 +1,7 @@
-"""Attention claimed before AOT Autograd splits forward from backward, so training runs SDPA's own
-forward and backward, or ours.
+"""What must be claimed before AOT Autograd splits forward from backward: attention (so training runs
+SDPA's own forward and backward, or ours), a linear layer feeding only a cross-entropy (one chunked
+op, fuser/linear_ce.py, that never holds the logits), and dropout (a seeded op fused into regions,
+fuser/dropout.py, whose backward regenerates the mask instead of saving it).
 
 After AOT Autograd, a training forward already saves the N x N softmax probabilities for its
 backward, and the backward reads them: rewriting the forward then would change nothing the
@@ -10,7 +12,8 @@ derivative gives the flash/memory-efficient backward, and the forward saves O(N)
 not the scores.  An attention SDPA cannot express (soft-capping, ALiBi in fp32) becomes one call of
 the custom op `fuser::flash_attention` instead: our forward kernel, and, registered as its
 gradient, our backward kernels (codegen/attention_bwd.py), which recompute the scores from Q, K
-and the saved log-sum-exp; the score chain's derivative comes from codegen/score_mod.py.  Where
+and the saved log-sum-exp; the score chain's derivative comes from codegen/score_mod.py.  The loss and dropout
+are claimed for the same reason: after AOT, the forward already saves the logits or the mask.  Where
 nothing is claimed, Dynamo's graph goes to AOT Autograd untouched.
 
 The trace runs on Dynamo's own fake inputs, so symbolic sizes stay symbolic.  Left alone (the
@@ -36,9 +39,12 @@ from fuser.codegen.attention import LinearBias, ScoreMod, attention_source, prep
 from fuser.codegen.attention_bwd import attention_bwd_source, prepare_bwd
 from fuser.codegen.score_mod import score_mod
 from fuser.graph import ComputeGraph, meta
-from fuser.patterns.attention import extra_forms, find, mask_structure, normalize_attention
+from fuser.patterns import cross_entropy
+from fuser.patterns.attention import dropout_site, extra_forms, find, mask_structure, normalize_attention
 
+from .dropout import dropout_op
 from .dtypes import target
+from .linear_ce import linear_cross_entropy_op
 from .runtime import run_attention, run_kernels
 
 aten = torch.ops.aten
@@ -50,8 +56,6 @@ def _needs_grad(example_inputs) -> bool:
 
 def _refusal(gm: fx.GraphModule, example_inputs) -> str | None:
     """Why this graph is not traced here, or None."""
-    if not any(_feeds_a_matmul(n) for n in gm.graph.nodes if "softmax" in str(n.target)):
-        return ""  # no attention to claim: nothing to say (and no trace: it could add guards on sizes)
     values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
     if not any(isinstance(v, FakeTensor) for v in values) or any(v is None for v in values):
         return "Dynamo's graph carries no fake inputs to trace with"
@@ -63,6 +67,22 @@ def _refusal(gm: fx.GraphModule, example_inputs) -> str | None:
         if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
             return f"the graph calls {n.target} (a plain trace would drop what it means)"
     return _grad_mode_refusal(gm, example_inputs)
+
+
+def _is_dropout(n: fx.Node) -> bool:
+    """Dropout as Dynamo records it (the functional, the module inlined); p = 0 or eval is left alone."""
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if n.op not in ("call_function", "call_method") or "dropout" not in name or n.target is dropout_op._opoverload:
+        return False
+    p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+    training = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", True)
+    return training is not False and p != 0
+
+
+def _is_a_loss(n: fx.Node) -> bool:
+    """A cross-entropy or NLL loss as Dynamo records it (the functional, the module inlined)."""
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return n.op in ("call_function", "call_method") and ("cross_entropy" in name or "nll_loss" in name)
 
 
 _MATMULS = ("matmul", "bmm", "einsum", "baddbmm")
@@ -97,19 +117,48 @@ def _grad_mode_refusal(gm: fx.GraphModule, example_inputs) -> str | None:
     return None
 
 
-def claim_attention(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, list[str]]:
-    """(the graph AOT Autograd should trace, notes for the report)."""
+def _wanted(gm: fx.GraphModule, attention: bool, loss: bool, dropout: bool) -> str:
+    """What this graph has to claim, in words ("" for nothing: then no trace, which could add guards)."""
+    att = attention and any(_feeds_a_matmul(n) for n in gm.graph.nodes if "softmax" in str(n.target))
+    ce = loss and any(_is_a_loss(n) for n in gm.graph.nodes)
+    drop = dropout and any(_is_dropout(n) for n in gm.graph.nodes)
+    return " and ".join(w for w, on in (("attention", att), ("the linear + cross-entropy", ce), ("dropout", drop)) if on)
+
+
+def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool = True,
+          dropout: bool = True) -> tuple[fx.GraphModule, list[str]]:
+    """(the graph AOT Autograd should trace, notes for the report).  `attention`: claim attention;
+    `loss`: claim a linear layer feeding only a cross-entropy (fuser/linear_ce.py); `dropout`: claim
+    dropout as the seeded op fused into regions (fuser/dropout.py)."""
     if not _needs_grad(example_inputs):
+        return gm, []
+    wanted = _wanted(gm, attention, loss, dropout)
+    if not wanted:
         return gm, []
     why = _refusal(gm, example_inputs)
     if why is not None:
-        return gm, [f"attention in training left to its ops: {why}"] if why else []
+        return gm, [f"{wanted} in training left to its ops: {why}"]
     # Dynamo's own fake inputs (sizes symbolic where they vary): the trace keeps the size arithmetic
     values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
     mode = next(v.fake_mode for v in values if isinstance(v, FakeTensor))
     with mode:
         traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax, aten.dropout]))(*values)
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
+    notes = (_claim_attention(traced, example_inputs) if attention else []) + \
+        (_claim_losses(traced) if loss else []) + (_claim_dropouts(traced) if dropout else [])
+    if not any(" claimed before autograd" in n for n in notes):
+        return gm, notes
+    traced.graph.eliminate_dead_code()
+    for given, new in zip([n for n in gm.graph.nodes if n.op == "placeholder"],
+                          [n for n in traced.graph.nodes if n.op == "placeholder"]):
+        new.meta.update({k: v for k, v in given.meta.items() if k not in new.meta})  # Dynamo's input facts
+    traced.meta.update(gm.meta)
+    traced.recompile()
+    return traced, notes
+
+
+def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:
+    """Each attention of the traced graph rewritten as SDPA or as our op; notes."""
     normalize_attention(traced.graph)
     cg = ComputeGraph(traced.graph)
     notes, fixups = [], {}
@@ -125,15 +174,66 @@ def claim_attention(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule,
                 notes.append(f"attention claimed before autograd (our kernel and its backward; not SDPA: {e})")
             continue
         notes.append(f"attention claimed before autograd (SDPA computes it and its gradient): {text}")
-    if not any(n.startswith("attention claimed") for n in notes):
-        return gm, notes
-    traced.graph.eliminate_dead_code()
-    for given, new in zip([n for n in gm.graph.nodes if n.op == "placeholder"],
-                          [n for n in traced.graph.nodes if n.op == "placeholder"]):
-        new.meta.update({k: v for k, v in given.meta.items() if k not in new.meta})  # Dynamo's input facts
-    traced.meta.update(gm.meta)
-    traced.recompile()
-    return traced, notes
+    return notes
+
+
+def _claim_losses(traced: fx.GraphModule) -> list[str]:
+    """Each linear layer feeding only a cross-entropy rewritten as one `fuser::linear_cross_entropy`
+    call (the logits never held whole); notes."""
+    notes = []
+    for m in cross_entropy.find(traced.graph):
+        if isinstance(m, str):
+            notes.append(f"linear + cross-entropy left to its ops: {m}")
+            continue
+        graph = traced.graph
+        with graph.inserting_before(m.loss):
+            w_t = m.weight_t
+            weight = w_t.args[0] if w_t.target is aten.t.default else graph.call_function(aten.t.default, (w_t,))
+            call = graph.call_function(linear_cross_entropy_op._opoverload,
+                                       (m.x, weight, m.bias, m.target, m.ignore_index, 0.0, m.reduction))
+            loss = graph.call_function(operator.getitem, (call, 0))
+            if meta(m.loss).dtype != torch.float32:
+                loss = graph.call_function(torch.ops.prims.convert_element_type.default, (loss, meta(m.loss).dtype))
+        m.loss.replace_all_uses_with(loss)
+        for n in reversed(m.nodes):
+            if not n.users:
+                graph.erase_node(n)
+        v, d = meta(m.weight_t).shape[1], meta(m.x).shape[1]
+        notes.append(f"linear + cross-entropy claimed before autograd ([{meta(m.x).shape[0]}, {d}] x [{d}, {v}], "
+                     f"reduction {m.reduction}): chunked, the logits never held whole")
+    return notes
+
+
+# Philox offsets of the dropout sites of one graph: site k draws from counter k * 2^40 on, so sites
+# sharing the graph's seed never share random numbers (up to 2^40 elements a site)
+_SITE_STRIDE = 1 << 40
+
+
+def _claim_dropouts(traced: fx.GraphModule) -> list[str]:
+    """Each dropout left after the attention claims (those on attention's probabilities went to
+    SDPA's dropout or stay with the attention) rewritten as `fuser::dropout` from one seed drawn per
+    call: fused into the regions around it, and its gradient the same op on the gradient, so no mask
+    is saved for the backward.  Its random stream is not eager's (a different generator): the same
+    torch.manual_seed gives the same masks run to run, not eager's masks."""
+    graph, seeds, sites = traced.graph, {}, 0
+    for n in list(graph.nodes):
+        site = dropout_site(n) if n.op == "call_function" else None
+        if site is None:
+            continue
+        p, nodes, x = site
+        device = meta(x).device
+        with graph.inserting_before(nodes[-1]):
+            if device not in seeds:
+                seeds[device] = graph.call_function(aten.randint.low, (0, 1 << 62, []),
+                                                    {"dtype": torch.int64, "device": device})
+            out = graph.call_function(dropout_op._opoverload, (x, seeds[device], float(p), sites * _SITE_STRIDE))
+        n.replace_all_uses_with(out)
+        for m in nodes:
+            if not m.users:
+                graph.erase_node(m)
+        sites += 1
+    return [f"dropout claimed before autograd: {sites} site(s) as fuser::dropout (seeded, fused into regions, "
+            "no mask saved)"] if sites else []
 
 
 def _needing_grad(graph: fx.Graph, example_inputs) -> set:

@@ -100,7 +100,7 @@ def _swaps_last_two(n) -> bool:
     return packet(n) is aten.transpose and sorted(d % 4 for d in n.args[1:3]) == [2, 3]
 
 
-def _dropout(n):
+def dropout_site(n):
     """(probability, nodes, input) where n is dropout in training: native_dropout's first result
     (CUDA), or x * (bernoulli_(empty_like(x), 1 - p) / (1 - p)) (dropout's CPU form); else None."""
     if n.target is operator.getitem and n.args[1] == 0 and packet(n.args[0]) is aten.native_dropout:
@@ -234,7 +234,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
                 packet(p) in _VIEW and isinstance(p.args[0], fx.Node) and shape(p.args[0]) == shape(p)):
             walked_p.append(p)
             p = p.args[0]
-        elif not dropout and (found := _dropout(p)) is not None:
+        elif not dropout and (found := dropout_site(p)) is not None:
             dropout, walked, p = found
             walked_p += walked
         else:

@@ -211,7 +211,7 @@ def test_repeated_calls_and_misaligned_inputs(device):
 
 
 def test_options(device):
-    with pytest.raises(ValueError, match="unknown option.*'tile'.*known: \\['attention', 'cuda_graphs'\\]"):
+    with pytest.raises(ValueError, match="unknown option.*'tile'.*known: \\['attention', 'cuda_graphs', 'dropout', 'fused_loss'\\]"):
         fuser.fuse(chain, tile=3)
     with pytest.raises(ValueError, match="attention='no' is not allowed; allowed values: True, False"):
         fuser.fuse(chain, attention="no")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fuser
+from tolerances import tol
 
 transformers = pytest.importorskip("transformers")
 
@@ -210,3 +211,72 @@ def test_bloom_attention_in_training_is_left_with_its_reason(device):
         torch.testing.assert_close(p.grad, q.grad, atol=2e-4, rtol=2e-4, msg=n)
     notes = [n for r in fused.reports for n in r.notes]
     assert any("left to its ops" in n and "autograd_function_apply" in n for n in notes), notes
+
+
+class _DropoutBlock(torch.nn.Module):
+    """Linear -> dropout -> residual add -> LayerNorm, as a transformer's sublayer writes it."""
+
+    def __init__(self, d=48, p=0.3):
+        super().__init__()
+        self.lin, self.norm, self.p = torch.nn.Linear(d, d), torch.nn.LayerNorm(d), p
+
+    def forward(self, x):
+        return self.norm(x + torch.nn.functional.dropout(self.lin(x), self.p, training=self.training))
+
+
+def _dropout_notes(fused):
+    return [n for r in fused.reports for n in r.notes if "dropout" in n]
+
+
+def test_dropout_in_training_is_fused_and_saves_no_mask(device):
+    """Dropout is claimed before autograd as fuser::dropout: inside a fused region in the forward
+    and in the backward, no bool mask among what the forward saves, seeded by torch.manual_seed."""
+    model = _DropoutBlock().to(device).train()
+    x = torch.randn(5, 37, 48, device=device, requires_grad=True)
+    fused = fuser.fuse(model)
+    torch.manual_seed(3)
+    y = fused(x)
+    y.pow(2).mean().backward()
+    assert any(n.startswith("dropout claimed before autograd: 1 site") for n in _dropout_notes(fused)), _dropout_notes(fused)
+    backward = [r for r in fused.reports if any("backward" in n for n in r.notes)]
+    forward = [r for r in fused.reports if r not in backward]
+    for group in (forward, backward):
+        ops = [o for r in group for reg in r.regions for o in reg.ops]
+        assert any("fuser.dropout" in o for o in ops), ops  # fused with its neighbours, not left eager
+    saved = [n.meta["val"] for gm in fused.graph_modules[1:] for n in gm.graph.nodes
+             if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    assert not any(t.dtype == torch.bool for t in saved), [t.dtype for t in saved]
+    first, grad = y.detach().clone(), x.grad.clone()
+    x.grad = None
+    torch.manual_seed(3)  # the same seed: the same masks, the same output and gradient
+    again = fused(x)
+    again.pow(2).mean().backward()
+    torch.testing.assert_close(again.detach(), first, atol=0, rtol=0)
+    torch.testing.assert_close(x.grad, grad, atol=0, rtol=0)
+    torch.manual_seed(4)  # another seed: other masks
+    assert not torch.equal(fused(x).detach(), first)
+
+
+def test_dropout_law_and_its_gradient_use_the_forwards_mask(device):
+    """Keep rate 1 - p within 6 sigma, kept values x / (1 - p), and the gradient through the same mask."""
+    p = 0.3
+    fn = fuser.fuse(lambda x, w: torch.nn.functional.dropout(x, p, training=True) * w)
+    x = (torch.rand(3, 423, 213, device=device) + 0.5).requires_grad_()  # never 0: a 0 output means dropped
+    w = torch.randn(213, device=device)
+    y = fn(x, w)
+    kept = y != 0
+    n = kept.numel()
+    assert abs(kept.float().mean().item() - (1 - p)) < 6 * (p * (1 - p) / n) ** 0.5
+    torch.testing.assert_close(y[kept], (x.detach() / (1 - p) * w)[kept], **tol(torch.float32))
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g)
+    torch.testing.assert_close(dx, torch.where(kept, g * w / (1 - p), torch.zeros_like(g)), **tol(torch.float32))
+    assert any(n.startswith("dropout claimed before autograd") for n in _dropout_notes(fn))
+
+
+def test_dropout_option_off_leaves_it_eager(device):
+    model = _DropoutBlock().to(device).train()
+    fused = fuser.fuse(model, dropout=False)
+    fused(torch.randn(2, 7, 48, device=device, requires_grad=True)).sum().backward()
+    assert not any("claimed" in n for n in _dropout_notes(fused))
+    assert any("dropout" in u.op for r in fused.reports for u in r.unfused)

@@ -1,0 +1,147 @@
+"""A linear layer feeding only a cross-entropy, found in a model's graph and claimed before autograd as
+one chunked op (fuser/linear_ce.py): the loss and every gradient match eager, the logits are never
+held whole, and where the logits are needed elsewhere the pair is left to its ops with the reason.
+The op itself (chunks, ignore_index, smoothing, dtypes) is tested in test_linear_ce.py."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fuser
+from tolerances import tol
+
+CLAIMED = "linear + cross-entropy claimed before autograd"
+
+
+class TinyLM(nn.Module):
+    """Embedding -> a hidden layer -> LM head -> the loss, as a training step writes it: the logits
+    upcast, flattened, labels with ignored positions.  `returns_logits`: the model returns them too."""
+
+    def __init__(self, vocab=211, d=24, bias=False, reduction="mean", returns_logits=False):
+        super().__init__()
+        self.emb, self.hidden = nn.Embedding(vocab, d), nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=bias)
+        self.reduction, self.returns_logits = reduction, returns_logits
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.hidden(self.emb(ids))))
+        flat = logits.float().view(-1, logits.shape[-1])
+        loss = F.cross_entropy(flat, labels.view(-1), ignore_index=-100,
+                               reduction="sum" if self.reduction != "mean" else "mean")
+        if self.reduction == "sum/n":  # Hugging Face's num_items_in_batch: a sum divided by the tokens counted
+            loss = loss / (labels != -100).sum()
+        return (loss, logits) if self.returns_logits else loss
+
+
+def _batch(vocab, device, b=3, t=19):
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (b, t), device=device)
+    labels = torch.randint(0, vocab, (b, t), device=device)
+    labels[0, :5] = -100  # ignored positions (padding, the prompt)
+    return ids, labels
+
+
+def _notes(fused) -> list:
+    return [n for r in fused.reports for n in r.notes]
+
+
+def _check_grads(model, twin, dtype):
+    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **tol(dtype, 4), msg=name)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "sum/n"])
+def test_loss_and_gradients_match_eager(bias, reduction, device):
+    model = TinyLM(bias=bias, reduction=reduction).to(device)
+    twin = copy.deepcopy(model)
+    ids, labels = _batch(211, device)
+    fused = fuser.fuse(model)
+    loss = fused(ids, labels)
+    want = twin(ids, labels)
+    torch.testing.assert_close(loss, want, **tol(torch.float32, 4))
+    (loss * 1.7).backward()  # an upstream gradient other than 1
+    (want * 1.7).backward()
+    _check_grads(model, twin, torch.float32)
+    assert any(n.startswith(CLAIMED) for n in _notes(fused)), _notes(fused)
+    forward = [r for r in fused.reports if not any("backward" in n for n in r.notes)]
+    assert any("linear_cross_entropy" in line for r in forward for line in r.code), "the op is not in the program"
+
+
+def test_bf16_matches_an_fp32_reference(device):
+    """16-bit weights: the op computes the loss in fp32 from logits rounded to bf16 as eager's are."""
+    model = TinyLM().to(device, torch.bfloat16)
+    ref = copy.deepcopy(model).float()
+    ids, labels = _batch(211, device)
+    fused = fuser.fuse(model)
+    loss = fused(ids, labels)
+    want = ref(ids, labels)
+    torch.testing.assert_close(loss, want, **tol(torch.bfloat16))
+    loss.backward()
+    want.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad.dtype == torch.bfloat16, name
+        torch.testing.assert_close(p.grad.float(), q.grad, **tol(torch.bfloat16, 2), msg=name)
+    assert any(n.startswith(CLAIMED) for n in _notes(fused))
+
+
+def test_a_new_sequence_length_reuses_the_claim(device):
+    """A second length makes the sizes symbolic: the op takes them (its fake implementation)."""
+    model = TinyLM().to(device)
+    twin = copy.deepcopy(model)
+    fused = fuser.fuse(model)
+    for t in (19, 26):
+        ids, labels = _batch(211, device, t=t)
+        torch.testing.assert_close(fused(ids, labels), twin(ids, labels), **tol(torch.float32, 4))
+    assert sum(n.startswith(CLAIMED) for n in _notes(fused)) >= 1
+
+
+def test_logits_returned_too_are_left_to_their_ops_with_the_reason(device):
+    model = TinyLM(returns_logits=True).to(device)
+    twin = copy.deepcopy(model)
+    ids, labels = _batch(211, device)
+    fused = fuser.fuse(model)
+    (loss, logits), (want, want_logits) = fused(ids, labels), twin(ids, labels)
+    torch.testing.assert_close(loss, want, **tol(torch.float32, 4))
+    torch.testing.assert_close(logits, want_logits, **tol(torch.float32))
+    notes = _notes(fused)
+    assert not any(n.startswith(CLAIMED) for n in notes), notes
+    assert any("linear + cross-entropy left to its ops: the logits are read elsewhere" in n for n in notes), notes
+
+
+def test_the_option_turns_it_off(device):
+    model = TinyLM().to(device)
+    fused = fuser.fuse(model, fused_loss=False)
+    fused(*_batch(211, device)).backward()
+    assert not any("cross-entropy" in n for n in _notes(fused)), _notes(fused)
+
+
+def test_inference_is_left_alone(device):
+    """No gradient wanted: nothing is claimed (the loss is fused as the graph's own regions)."""
+    model = TinyLM().to(device)
+    fused = fuser.fuse(model)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*_batch(211, device)), model(*_batch(211, device)), **tol(torch.float32, 4))
+    assert not any(n.startswith(CLAIMED) for n in _notes(fused))
+
+
+def test_a_hugging_face_training_step_that_returns_the_loss(device):
+    """A step compiled around the model (its logits dead): LLaMA's head and its ForCausalLMLoss become
+    the op; every parameter's gradient matches eager."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=301, hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2)).to(device)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 301, (2, 23), device=device)
+    fused = fuser.fuse(lambda ids: model(input_ids=ids, labels=ids).loss)
+    loss = fused(ids)
+    want = twin(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, want, **tol(torch.float32, 4))
+    loss.backward()
+    want.backward()
+    _check_grads(model, twin, torch.float32)
+    assert any(n.startswith(CLAIMED) for n in _notes(fused)), _notes(fused)
