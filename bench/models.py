@@ -20,11 +20,13 @@ kernel_ms (GPU time of kernels) and kernels per step.
     python bench/models.py --smoke --out /tmp/smoke   # CPU, tiny configs, 4 systems, perf_counter timing
     python bench/models.py --train [--only ...]       # training steps: <gpu>-<date>-train.{json,md}
 
---train measures one training step per cell instead: forward, loss = mean(output^2) in fp32,
-backward and an AdamW step (outside the compiled model, the same for every system), dropout off,
-each system on its own copy of the same weights; err compares the first step's loss with
-eager+sdpa's; peak MiB is over the memory held before the step (weights, gradients, AdamW state).
-Models: all but llama-decode.  Systems: eager, eager+sdpa, inductor, fuser, fuser-eager-attn.
+--train measures one training step per cell instead: forward and loss compiled together (the causal LMs:
+the model's own loss on labels = input_ids, so the logits are dead after it, as in a compiled training step;
+the others: mean(output^2) in fp32), backward and an AdamW step (outside the compiled function, the same
+for every system), dropout off, each system on its own copy of the same weights; err compares the first
+step's loss with eager+sdpa's; peak MiB is over the memory held before the step (weights, gradients,
+AdamW state).  llama-128k is llama-gqa with a 128256-token vocabulary at B4 T2048 (8192 tokens: its
+logits are 2.1 GB in bf16), for the fused linear + cross-entropy.  Models: all but llama-decode.  Systems: eager, eager+sdpa, inductor, fuser, fuser-eager-attn.
 
 Writes <gpu>-<date>-models.{json,md} after every cell, so a run cut short keeps what it measured.
 """
@@ -61,7 +63,8 @@ NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
               "vit": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
               "t5-encoder": dict(dropout_rate=0.0), "llama-gqa": dict(attention_dropout=0.0),
               "gemma2-softcap": dict(attention_dropout=0.0)}
-MODELS = ["gpt2", "llama-gqa", "bert-padded", "vit", "t5-encoder", "llama-decode", "gemma2-softcap"]
+MODELS = ["gpt2", "llama-gqa", "bert-padded", "vit", "t5-encoder", "llama-decode", "gemma2-softcap", "llama-128k"]
+LMS = ("gpt2", "llama-gqa", "gemma2-softcap", "llama-128k")  # in training: the model's own loss on labels = input_ids
 
 
 # ---------------------------------------------------------------- models
@@ -74,7 +77,8 @@ def _dims(smoke):
     return dict(layers=4, hidden=768, heads=12, llama_hidden=2048, llama_heads=16, kv_heads=4,
                 llama_ffn=5632, ffn=3072, llama_vocab=32000, gpt2_vocab=50257, vocab=32128, seq=512,
                 batch=4, bert_batch=8, bert_seq=256, image=224, patch=16, vit_batch=32,
-                t5_hidden=512, t5_ffn=2048, t5_heads=8, t5_batch=8, t5_seq=256, cache=1040, prefill=1024)
+                t5_hidden=512, t5_ffn=2048, t5_heads=8, t5_batch=8, t5_seq=256, cache=1040, prefill=1024,
+                big_vocab=128256, big_seq=2048)
 
 
 def _config(name, d):
@@ -86,11 +90,12 @@ def _config(name, d):
         return tf.GPT2LMHeadModel, tf.GPT2Config, dict(
             n_layer=d["layers"], n_embd=d["hidden"], n_head=d["heads"], vocab_size=v, n_positions=1024,
             bos_token_id=v - 1, eos_token_id=v - 1, use_cache=False)
-    if name in ("llama-gqa", "llama-decode"):
+    if name in ("llama-gqa", "llama-decode", "llama-128k"):
+        vocab = g("big_vocab", "vocab") if name == "llama-128k" else g("llama_vocab", "vocab")
         return tf.LlamaForCausalLM, tf.LlamaConfig, dict(
             hidden_size=g("llama_hidden", "hidden"), num_attention_heads=g("llama_heads", "heads"),
             num_key_value_heads=d["kv_heads"], intermediate_size=g("llama_ffn", "ffn"),
-            num_hidden_layers=d["layers"], vocab_size=g("llama_vocab", "vocab"), max_position_embeddings=2048)
+            num_hidden_layers=d["layers"], vocab_size=vocab, max_position_embeddings=2048)
     if name == "bert-padded":
         return tf.BertModel, tf.BertConfig, dict(
             hidden_size=d["hidden"], num_attention_heads=d["heads"], num_hidden_layers=d["layers"],
@@ -138,8 +143,9 @@ def _inputs(name, d, model, device):
     """Keyword arguments of one forward call, and the name of the output compared."""
     torch.manual_seed(0)
     vocab = getattr(model.config, "vocab_size", None)
-    if name in ("gpt2", "llama-gqa", "gemma2-softcap"):
-        return {"input_ids": torch.randint(0, vocab, (d["batch"], d["seq"]), device=device), "use_cache": False}, "logits"
+    if name in ("gpt2", "llama-gqa", "gemma2-softcap", "llama-128k"):
+        t = d.get("big_seq", d["seq"]) if name == "llama-128k" else d["seq"]
+        return {"input_ids": torch.randint(0, vocab, (d["batch"], t), device=device), "use_cache": False}, "logits"
     if name == "bert-padded":
         b, t = d.get("bert_batch", d["batch"]), d.get("bert_seq", d["seq"])
         mask = torch.ones(b, t, dtype=torch.long, device=device)
@@ -238,25 +244,30 @@ def _prepare_train(name, d, device, systems):
     {system: attention implementation})."""
     base = _build(name, d, "sdpa", device, train=True)
     kwargs, out_name = _inputs(name, d, base, device)
-    compilers = {"eager": lambda m: m, "eager+sdpa": lambda m: m, "inductor": torch.compile,
-                 "fuser": lambda m: torch.compile(m, backend="fuser"),
-                 "fuser-eager-attn": lambda m: torch.compile(m, backend="fuser")}
+    compilers = {"eager": lambda f: f, "eager+sdpa": lambda f: f, "inductor": torch.compile,
+                 "fuser": lambda f: torch.compile(f, backend="fuser"),
+                 "fuser-eager-attn": lambda f: torch.compile(f, backend="fuser")}
+
+    def loss_of(model):  # what each system compiles: the model and its loss, returning the loss alone
+        if name in LMS:
+            return lambda **kw: model(**kw, labels=kw["input_ids"]).loss
+        return lambda **kw: getattr(model(**kw), out_name).float().square().mean()
 
     def maker(system):
         attn = "eager" if system in ("eager", "fuser-eager-attn") else "sdpa"
         model = _build(name, d, attn, device, weights=base, train=True)
-        compiled = compilers[system](model)
+        compiled = compilers[system](loss_of(model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
         def step():
-            loss = getattr(compiled(**kwargs), out_name).float().square().mean()
+            loss = compiled(**kwargs)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
         return step
 
-    ref = getattr(base(**kwargs), out_name).float().square().mean().detach()
+    ref = loss_of(base)(**kwargs).detach()
     attn = {s: "eager" if s in ("eager", "fuser-eager-attn") else base.config._attn_implementation for s in systems}
     return {s: (lambda s=s: maker(s)) for s in systems}, ref, attn
 
@@ -367,7 +378,7 @@ def _fmt(x, spec):
 def markdown(meta, cells):
     by = {(c["model"], c["system"]): c for c in cells}
     ms = lambda m, s: by.get((m, s), {}).get("ms")  # noqa: E731
-    what = ("one training step (forward, mean(output^2), backward, AdamW; err: the first step's loss vs "
+    what = ("one training step (forward, the LM loss or mean(output^2), backward, AdamW; err: the first step's loss vs "
             "eager+sdpa's)" if meta.get("train") else "inference")
     lines = [f"# whole models, {what}: {meta['device']}, {meta['date']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}"
