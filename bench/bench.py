@@ -87,6 +87,14 @@ class SwiGLU(nn.Module):
         return F.silu(a) * b
 
 
+class WeightGrad(nn.Module):
+    """A norm's weight gradient as the backward graph holds it: a product summed over the tokens
+    (a column sum: fuser/split.py)."""
+
+    def forward(self, grad, x):
+        return (grad * x).sum(0)
+
+
 class CrossEntropy(nn.Module):
     def forward(self, logits, target):
         return F.cross_entropy(logits.float(), target)
@@ -157,6 +165,11 @@ def _swiglu(quick, device):
     return Case(_on(SwiGLU(), device), (_randn((m, d), device),), f"{m}×{d} in")
 
 
+def _weight_grad(quick, device):
+    m, d = (256, 512) if quick else (8192, 2048)
+    return Case(_on(WeightGrad(), device), (_randn((m, d), device), _randn((m, d), device)), f"{m}×{d} -> {d}")
+
+
 def _cross_entropy(quick, device):
     n, v = (64, 1000) if quick else (8192, 128256)
     target = torch.randint(0, v, (n,), device=device)
@@ -208,6 +221,7 @@ ROWS = [
     Row("RMSNorm", _rms_norm),
     Row("scaled softmax", _softmax),
     Row("SwiGLU gate", _swiglu),
+    Row("norm weight gradient (column sum)", _weight_grad),
     Row("cross-entropy", _cross_entropy),
     Row("LlamaDecoderLayer (whole block)", _llama_block),
     Row("BatchNorm + ReLU, eval, NCHW", _bn_relu(False)),

@@ -79,7 +79,7 @@ def region_cost(region: Region) -> Cost:
     for o in region.outputs:
         fused += tensor_bytes(o)
     space, hint = region.space, cg.sizes.hint
-    plan = block_plan(hint(space.rows), hint(space.r) if space.is_reduction else None, "cuda")
+    plan = block_plan(hint(space.rows), hint(space.r) if space.is_reduction else None, "cuda", region.column)
     return Cost(unfused, fused, launches, plan.programs, cg.sizes)
 
 

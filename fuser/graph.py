@@ -90,6 +90,14 @@ def refresh_fake(gm: fx.GraphModule, changed: list):
         n.meta["val"] = fake_value(n, mode)
 
 
+def replaced(gm: fx.GraphModule, changed: list) -> None:
+    """After a rewrite of gm's graph: check it, regenerate its code, trace the fake tensors of the
+    `changed` nodes (and their readers) again."""
+    gm.graph.lint()
+    gm.recompile()
+    refresh_fake(gm, changed)
+
+
 def operands(n: fx.Node) -> list[fx.Node]:
     """Node operands in order (cat's list flattened): what n must wait for, even where it reads no data."""
     out = []

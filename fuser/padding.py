@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph import refresh_fake
+from .graph import replaced
 
 aten = torch.ops.aten
 ALIGN_BYTES = 16
@@ -61,9 +61,7 @@ def pad_matmuls(gm: fx.GraphModule) -> list[str]:
         gm.graph.erase_node(n)
         notes.append(f"{n.name}: {list(n.meta['val'].shape)} computed {width} columns wide (aligned)")
     if notes:
-        gm.graph.lint()
-        gm.recompile()
-        refresh_fake(gm, changed)
+        replaced(gm, changed)
     return notes
 
 

@@ -25,7 +25,8 @@ from .dtypes import target
 from .fold import fold_constants
 from .gqa import share_kv_heads
 from .padding import pad_matmuls
-from .graph import ComputeGraph, meta, refresh_fake, shape
+from .split import split_column_sums
+from .graph import ComputeGraph, meta, replaced, shape
 from .runtime import AttentionKernel, RegionKernel, fast_calls, run_attention, write_inputs_in_place
 from .partition import Partitioner
 from .report import FusionReport, RegionReport, Unfused
@@ -49,6 +50,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     `static`: indices of the inputs that are parameters and buffers (the same tensors every call)."""
     folded = fold_constants(gm)
     padded = pad_matmuls(gm)
+    split = split_column_sums(gm)
     report = FusionReport()
     if attention and normalize_attention(gm.graph):  # BLOOM's scores: Q·Kᵀ and a bias, for the recogniser
         gm.recompile()
@@ -110,6 +112,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         report.notes.append(f"attention of one query row shares K and V between query heads: {'; '.join(shared)}")
     if padded:
         report.notes.append(f"matmuls with unaligned widths padded: {', '.join(padded)}")
+    if split:
+        report.notes.append(f"column sums split to fill the GPU: {'; '.join(split)}")
     new = rewrite(gm, units, kernels, bound) if units else gm
     if units:  # on the final order of the calls; then the eager calls through torch's bindings (last:
         written = write_inputs_in_place(new.graph)  # the targets are no longer OpOverloads)
@@ -166,9 +170,7 @@ def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, s
         log.debug("attention %s lowered to %s", a.out.name, text)
     if changed:
         gm.graph.eliminate_dead_code()  # a mask that became is_causal, the eager masks no attention reads now
-        gm.graph.lint()
-        gm.recompile()
-        refresh_fake(gm, changed)
+        replaced(gm, changed)
     return why, calls
 
 

@@ -24,15 +24,20 @@ class BlockPlan:
     persistent: bool   # the whole row in registers (reductions), else a loop over R
 
 
-def block_plan(rows: int, r: int | None, device_type: str) -> BlockPlan:
+def block_plan(rows: int, r: int | None, device_type: str, column: bool = False) -> BlockPlan:
     """The launch config for `rows` rows (elements, for pointwise kernels: r None) of `r` reduced
-    elements each, at the sizes of one call (kernels over symbolic sizes plan per call)."""
+    elements each, at the sizes of one call (kernels over symbolic sizes plan per call).  `column`:
+    the rows are the contiguous dim (Region.column): past a few reduced elements, tiles of 64 rows x
+    64 reduced (a 128-byte line of 16-bit columns a load), looped."""
     cpu = device_type == "cpu"
     if r is None:
         n = max(rows, 1)
         xblock = min(triton.next_power_of_2(n), 8192 if cpu else 1024)
         return BlockPlan(xblock, 1, 4, triton.cdiv(n, xblock), True)
     rows, r = max(rows, 1), max(r, 1)
+    if column and not persistent_at(r, column):
+        xblock = min(triton.next_power_of_2(rows), 64)
+        return BlockPlan(xblock, (16384 if cpu else 4096) // xblock, 8, triton.cdiv(rows, xblock), False)
     if persistent_at(r):
         rblock = triton.next_power_of_2(r)
         budget = 16384 if cpu else 4096  # elements per program

@@ -51,10 +51,15 @@ def online_max(total) -> torch.fx.Node | None:
 
 
 PERSISTENT_MAX_R = 16384  # rows up to this many elements are held in registers: one HBM pass
+# A column reduction (over outer dims, the contiguous one kept: a weight's or a bias's gradient) is
+# tiled [columns x rows] so that its loads run along memory; past this many rows it loops over them
+# (block_plan) instead of holding a few columns' whole rows, whose loads would stride across lines.
+COLUMN_PERSISTENT_MAX_R = 64
+COLUMN_MIN_WIDTH = 32
 
 
-def persistent_at(r: int) -> bool:
-    return r <= PERSISTENT_MAX_R
+def persistent_at(r: int, column: bool = False) -> bool:
+    return r <= (COLUMN_PERSISTENT_MAX_R if column else PERSISTENT_MAX_R)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,11 @@ class Space:
     @property
     def is_reduction(self) -> bool:
         return bool(self.reduced)
+
+    @property
+    def column(self) -> bool:
+        """Reduced over outer dims only, the innermost kept: in a contiguous tensor, x runs along memory."""
+        return self.is_reduction and len(self.full) - 1 not in self.reduced
 
     def row_shaped(self, shp) -> bool:
         """A per-row value: the full shape with the reduced dims set to 1 or dropped."""
@@ -137,7 +147,15 @@ class Region:
     def persistent(self) -> bool:
         """Rows held in registers (one HBM pass), else a loop over R, at the sizes seen at capture.
         With a symbolic R the kernel picks its variant per call (`persistent_at`)."""
-        return persistent_at(self.cg.sizes.hint(self.space.r))
+        return persistent_at(self.cg.sizes.hint(self.space.r), self.column)
+
+    @cached_property
+    def column(self) -> bool:
+        """A reduction that keeps the innermost dim, at least COLUMN_MIN_WIDTH wide (narrower, a tile's
+        rows would not fill a line either, and fewer programs would run): see COLUMN_PERSISTENT_MAX_R.
+        argmax and argmin keep the row layout (the looped kernel does not lower them)."""
+        return self.space.column and self.cg.sizes.hint(self.space.full[-1]) >= COLUMN_MIN_WIDTH and not any(
+            _is_reduction(self.cg, n) and self.cg.info[n].combine in ("argmax", "argmin") for n in self.nodes)
 
     # -- reduction levels: which loop computes what (shared by the cost model and codegen) --
 

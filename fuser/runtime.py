@@ -286,14 +286,14 @@ class RegionKernel(torch.nn.Module):
             hints = [self.sizes.hint(s) for s in self.symbols]
             *_, rows, r = self._shapes_at(*hints)
             # the variant for the captured layout at the hints: emitting it now also proves it can be
-            self.source = self._dynamic((persistent_at(r) if self.reduction else True, False, (), None)).src.source
+            self.source = self._dynamic((persistent_at(r, region.column) if self.reduction else True, False, (), None)).src.source
         else:
             self._captured = self._static(self.in_sigs)
             self.source = self._captured[0].src.source
             space = region.space
             self._rows, self._r = int(space.rows), int(space.r)
             self.empty = self._rows == 0 or (self.reduction and self._r == 0)
-            self._plan = block_plan(self._rows, self._r if self.reduction else None, self.device_type)
+            self._plan = block_plan(self._rows, self._r if self.reduction else None, self.device_type, region.column)
 
     def _generate(self, in_sigs, out_sigs, persistent: bool, wide: bool, constant: tuple = ()):
         return self.generate(list(in_sigs), list(out_sigs), persistent=persistent, wide=wide, constant=constant)
@@ -378,11 +378,12 @@ class RegionKernel(torch.nn.Module):
         # offsets from a tensor's data pointer stay inside its storage: bounded by the storage's size
         wide = rows * max(r, 1) >= WIDE or any(
             t.untyped_storage().nbytes() >= WIDE * t.element_size() for t in (*inputs, *outs))
-        persistent = persistent_at(r) if self.reduction else True
+        persistent = persistent_at(r, self.region.column) if self.reduction else True
         variant = self._dynamic((persistent, wide, tuple(generic), self._constant_row(r) if not persistent else None))
         plan = self._plans.get((rows, r))
         if plan is None:
-            plan = self._plans[(rows, r)] = block_plan(rows, r if self.reduction else None, self.device_type)
+            plan = self._plans[(rows, r)] = block_plan(rows, r if self.reduction else None, self.device_type,
+                                                       self.region.column)
         sizes = [values[p[1]] if p[0] == "size" else inputs[p[1]].stride(p[2]) for p in variant.params]
         return outs, (variant, plan, sizes)
 

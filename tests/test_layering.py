@@ -49,7 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     # with the runtime; ops.py finds the op by its name, so nothing below imports it.
     ("dropout op", ("fuser.dropout",), False),
     ("pipeline", ("fuser.pipeline",), False),
-    ("fold, padding, gqa", ("fuser.fold", "fuser.padding", "fuser.gqa"), True),
+    ("fold, padding, split, gqa", ("fuser.fold", "fuser.padding", "fuser.split", "fuser.gqa"), True),
     ("patterns/", ("fuser.patterns", "fuser.patterns.*"), True),
     ("partition", ("fuser.partition",), False),
     ("codegen/", ("fuser.codegen", "fuser.codegen.*"), True),

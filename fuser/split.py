@@ -1,0 +1,83 @@
+"""Column sums over many rows become two sums: partial sums of row blocks, then their sum.
+
+A weight's or a bias's gradient sums a [tokens, D] tensor over its tokens.  One program per 64
+columns (block_plan's column tiles) gives D/64 programs: 32 for D = 2048 on an H100's 132 SMs,
+each looping over all 8192 rows.  Split S ways, the first sum runs S*D/64 programs over N/S rows
+each and writes [S, D] partials in fp32; the second sums those (a few KiB) and rounds once, as eager's
+single sum does.  Inductor splits such reductions the same way (its split reductions); here the split
+is a graph rewrite, so the partition fuses the prologue into the first sum and the cast into the second.
+Only where the sizes are static and the row count has a divisor near the wanted split.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from .cost import NUM_SMS
+from .graph import replaced
+from .ops import reduction_dims
+from .region import COLUMN_MIN_WIDTH
+
+aten, prims = torch.ops.aten, torch.ops.prims
+COLUMNS_A_PROGRAM = 64  # block_plan's column tile
+MIN_ROWS_A_PART = 128   # fewer rows a part and the partials' traffic starts to count
+DEVICES = ("cuda",)     # where the split pays (tests add "cpu" to run it through the interpreter)
+
+
+def split_column_sums(gm: fx.GraphModule) -> list[str]:
+    """Rewrites gm's column sums in place; returns a line per sum for the report."""
+    notes, changed = [], []
+    for n in list(gm.graph.nodes):
+        parts = _parts(n)
+        if parts is None:
+            continue
+        x, keepdim = n.args[0], n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+        xv, out = x.meta["val"], n.meta["val"]
+        k = len(reduction_dims(n))
+        rows, rest = math.prod(xv.shape[:k]), list(xv.shape[k:])
+        acc = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
+        with gm.graph.inserting_before(n):
+            blocks = gm.graph.call_function(aten.view.default, (x, [parts, rows // parts, *rest]))
+            partial = gm.graph.call_function(aten.sum.dim_IntList, (blocks, [1]), {"dtype": acc})
+            total = gm.graph.call_function(aten.sum.dim_IntList, (partial, [0]))
+            new = [blocks, partial, total]
+            if acc != out.dtype:
+                new.append(gm.graph.call_function(prims.convert_element_type.default, (new[-1], out.dtype)))
+            if keepdim:
+                new.append(gm.graph.call_function(aten.view.default, (new[-1], list(out.shape))))
+        changed += new
+        n.replace_all_uses_with(new[-1])
+        gm.graph.erase_node(n)
+        notes.append(f"{n.name}: {list(xv.shape)} summed over {rows} rows in {parts} parts of {rows // parts}, "
+                     "then the parts")
+    if notes:
+        replaced(gm, changed)
+    return notes
+
+
+def _parts(n: fx.Node) -> int | None:
+    """How many parts to split sum `n` into, or None to leave it: a float sum over the leading dims
+    of a contiguous tensor at least COLUMN_MIN_WIDTH wide (narrower ones keep the row layout, one
+    program a column), static sizes, too few column tiles to fill the GPU, a divisor of the rows."""
+    if n.op != "call_function" or n.target is not aten.sum.dim_IntList or len(n.args) < 2:
+        return None
+    x = n.args[0]
+    xv, out = x.meta.get("val"), n.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or not isinstance(out, torch.Tensor) or xv.device.type not in DEVICES:
+        return None
+    if not out.dtype.is_floating_point or out.dtype == torch.float64 or n.kwargs.get("dtype") not in (None, out.dtype):
+        return None
+    if not all(isinstance(s, int) for s in xv.shape) or not xv.is_contiguous():
+        return None
+    dims = reduction_dims(n)
+    if dims != tuple(range(len(dims))) or len(dims) == xv.dim() or xv.shape[-1] < COLUMN_MIN_WIDTH:
+        return None  # not over leading dims only (a whole-tensor sum is a row reduction already)
+    rows, columns = math.prod(xv.shape[:len(dims)]), math.prod(xv.shape[len(dims):])
+    programs = -(-columns // COLUMNS_A_PROGRAM)
+    wanted = min(-(-2 * NUM_SMS // programs), rows // MIN_ROWS_A_PART)
+    if programs * 2 > NUM_SMS or wanted < 2:
+        return None
+    parts = next((s for s in range(wanted, 1, -1) if rows % s == 0), 1)
+    return parts if parts * 4 >= wanted else None

@@ -1,0 +1,86 @@
+"""Column sums (a weight's or bias's gradient) split into partial sums (fuser/split.py), and column
+reductions tiled along memory (plan.block_plan): eager's values, and the split only where the rule says."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fuser
+from fuser import split
+from fuser.plan import block_plan
+from tolerances import assert_close_to_eager, tol
+
+
+@pytest.fixture
+def split_everywhere(monkeypatch):
+    """The rule on the test device too (on CPU through the interpreter)."""
+    monkeypatch.setattr(split, "DEVICES", ("cpu", "cuda"))
+
+
+def _prologue_sums(x, w, b):
+    """A bias gradient over two leading dims with a prologue; a keepdim sum cast by the program."""
+    return (x * w + b).sum((0, 1)), (x * x).sum(0, keepdim=True).to(torch.float32) * 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 423, 213), (2, 1536, 40)])
+def test_column_sums_split_match_fp64(device, split_everywhere, dtype, shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=device, dtype=dtype)
+    w, b = torch.randn(shape[-1], device=device, dtype=dtype), torch.randn(shape[-1], device=device, dtype=dtype)
+    fused = fuser.fuse(_prologue_sums)
+    got = fused(x, w, b)
+    want = _prologue_sums(x.double(), w.double(), b.double())
+    for g, r in zip(got, want):  # eager rounds y to the dtype before summing; the kernel, once at the end
+        assert g.dtype == (dtype if g is got[0] else torch.float32)
+        torch.testing.assert_close(g.double(), r.double(), **tol(dtype, scale=4))
+    notes = [n for n in fused.report.notes if "column sums split" in n]
+    assert notes and f"over {shape[0] * shape[1]} rows in" in notes[0], fused.report.notes
+    # the prologue fused into the partial sums: a reduction region reading x, writing [parts, D]
+    partial = [r for r in fused.report.regions if r.kind == "reduction" and "aten.mul.Tensor" in r.ops]
+    assert partial and any(s.endswith(f", {shape[-1]}] float32") for r in partial for s in r.output_shapes), \
+        fused.report
+
+
+def test_rows_without_a_divisor_stay_one_sum(device, split_everywhere):
+    """2053 rows (a prime): no split; a transposed input: no split; a sum over the last dim: a row
+    reduction already.  All still eager's values."""
+    torch.manual_seed(1)
+    x = torch.randn(2053, 70, device=device)
+    t = torch.randn(70, 2048, device=device).t()
+
+    def f(x, t):
+        return (x * 2).sum(0), (t + 1).sum(0), (x - 1).sum(-1)
+    fused = fuser.fuse(f)
+    assert_close_to_eager(fused(x, t), f(x, t), scale=4)
+    assert not any("column sums split" in n for n in fused.report.notes), fused.report.notes
+
+
+def test_norm_weight_gradients_split_in_training(device, split_everywhere):
+    """LayerNorm's weight and bias gradients and a Linear's bias gradient (column sums over 2048 tokens
+    in the backward graph) are split, and every gradient matches eager's."""
+    torch.manual_seed(2)
+    m = nn.Sequential(nn.Linear(48, 40), nn.GELU(), nn.LayerNorm(40)).to(device)
+    ref = nn.Sequential(nn.Linear(48, 40), nn.GELU(), nn.LayerNorm(40)).to(device)
+    ref.load_state_dict(m.state_dict())
+    with torch.no_grad():  # a LayerNorm weight and bias other than 1 and 0
+        for p in (m[2].weight, m[2].bias):
+            p.normal_()
+        ref.load_state_dict(m.state_dict())
+    x = torch.randn(8, 256, 48, device=device)
+    compiled = torch.compile(m, backend="fuser")
+    (compiled(x) ** 2).mean().backward()
+    (ref(x) ** 2).mean().backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **tol(torch.float32, scale=10), msg=name)
+    backward = [r for r in fuser.reports() if any("backward" in n for n in r.notes)]
+    assert any("column sums split" in n for r in backward for n in r.notes), [r.notes for r in backward]
+
+
+def test_column_plan_tiles_along_memory():
+    """Past 64 reduced rows a column reduction runs 64 columns x 64 rows tiles, looped; a row
+    reduction keeps the whole row of one row a program."""
+    plan = block_plan(2048, 8192, "cuda", column=True)
+    assert (plan.xblock, plan.rblock, plan.programs, plan.persistent) == (64, 64, 32, False)
+    assert block_plan(2048, 32, "cuda", column=True).persistent  # few rows: held in registers
+    row = block_plan(2048, 8192, "cuda")
+    assert (row.xblock, row.persistent) == (1, True)
