@@ -42,11 +42,12 @@ import triton.language as tl
 {helpers}
 
 @triton.jit
-def {KERNEL}(LOGITS, TARGET, LOSS, V, ignore_index, label_smoothing, scale, BLOCK_V: tl.constexpr):
+def {KERNEL}(LOGITS, TARGET, LOSS, SCALE, V, ignore_index, label_smoothing, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * V  # the chunk's logits are contiguous [rows, V]
     target = tl.load(TARGET + row)
     kept = target != ignore_index
+    scale = tl.load(SCALE)  # on the device: the "mean" divisor needs no host sync
     offs = tl.arange(0, BLOCK_V)
 
     # pass 1: online max m and sum of exp d (one exp an element, one a tile to rescale d)
@@ -62,7 +63,8 @@ def {KERNEL}(LOGITS, TARGET, LOSS, V, ignore_index, label_smoothing, scale, BLOC
         total += tl.sum(tl.where(ok, x, 0.0), 0)
         m = m_new
     lse = m + tl.log(d)
-    x_target = tl.load(base + target, mask=kept, other=0.0).to(tl.float32)
+    # a target out of range (the host's asynchronous check raises) reads nothing
+    x_target = tl.load(base + target, mask=kept & (target >= 0) & (target < V), other=0.0).to(tl.float32)
     # (1 - ls) * (lse - x_t) + ls * (lse - total / V): nll plus the smoothing term, as eager weighs them
     loss = lse - (1.0 - label_smoothing) * x_target - label_smoothing * total / V
     tl.store(LOSS + row, tl.where(kept, loss, 0.0))
@@ -87,13 +89,16 @@ def block_v(n_classes: int, on_gpu: bool) -> int:
 
 
 def prepare(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, *, ignore_index: int,
-            label_smoothing: float, scale: float):
+            label_smoothing: float, scale: torch.Tensor):
     """Host side of one launch over a chunk: (grid, args, meta).  logits: contiguous [rows, V], made
     the gradient in place; target: [rows] int64; loss: [rows] fp32, written (0 in ignored rows).
-    `scale`: the reduction's factor on the gradient (1 / kept rows over the whole batch for "mean")."""
+    `scale`: a 0-d fp32 tensor on the logits' device, the reduction's factor on the gradient (1 / kept
+    rows over the whole batch for "mean")."""
     rows, n_classes = logits.shape
     if not logits.is_contiguous() or target.dtype != torch.int64 or loss.dtype != torch.float32:
         raise ValueError("cross_entropy_rows: wants contiguous logits, int64 targets and an fp32 loss")
+    if scale.dtype != torch.float32 or scale.dim() != 0 or scale.device != logits.device:
+        raise ValueError("cross_entropy_rows: wants the scale as a 0-d fp32 tensor on the logits' device")
     block = block_v(n_classes, logits.is_cuda)
-    args = (logits, target, loss, n_classes, int(ignore_index), float(label_smoothing), float(scale))
+    args = (logits, target, loss, scale, n_classes, int(ignore_index), float(label_smoothing))
     return (rows,), args, dict(BLOCK_V=block, num_warps=max(1, min(8, block // 512)))

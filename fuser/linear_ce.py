@@ -82,16 +82,19 @@ def _check(x, weight, bias, target, label_smoothing: float, reduction: str, chun
         raise ValueError(f"linear_cross_entropy: chunk_rows={chunk_rows}, want at least 1 (or None: the rule)")
 
 
-def _kept_rows(target: torch.Tensor, n_classes: int, ignore_index: int) -> int:
-    """Rows whose target is not ignore_index, counted once over all N rows (the "mean" divisor).
-    A kept target outside [0, V) raises IndexError, as eager does, before any kernel runs."""
+def _kept_rows(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
+    """Rows whose target is not ignore_index, counted once over all N rows (the "mean" divisor), a
+    0-d tensor on the device: no host sync.  A kept target outside [0, V) raises, as eager does: on
+    CPU an IndexError before any kernel runs; on CUDA, like eager's nll_loss, a device-side assert
+    (asynchronous: waiting for the check would stall the step)."""
     kept = target != ignore_index
     bad = kept & ((target < 0) | (target >= n_classes))
-    n_kept, n_bad = torch.stack((kept.sum(), bad.sum())).tolist()  # one host sync for both
-    if n_bad:
+    if target.is_cuda:
+        torch._assert_async(~bad.any(), f"linear_cross_entropy: a target is out of bounds for {n_classes} classes")
+    elif bad.any():
         raise IndexError(f"linear_cross_entropy: target {int(target[bad][0])} is out of bounds for {n_classes} "
-                         f"classes ({n_bad} such row(s); ignore_index is {ignore_index})")
-    return n_kept
+                         f"classes ({int(bad.sum())} such row(s); ignore_index is {ignore_index})")
+    return kept.sum()
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,7 +127,7 @@ def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     n = x2.shape[0]
     n_kept = _kept_rows(t, n_classes, ignore_index)
     # "mean" divides by the kept rows of the whole batch; with none kept, no row reads the scale
-    scale = (1.0 / n_kept if n_kept else 0.0) if reduction == "mean" else 1.0
+    scale = n_kept.clamp_min(1).float().reciprocal() if reduction == "mean" else x.new_ones((), dtype=torch.float32)
     source = _source(x.dtype, x.device.type)
     row_loss = x.new_empty(n, dtype=torch.float32)
     grad_x = x.new_empty(n, dim)

@@ -17,6 +17,9 @@ logits (the chunks' matmuls round as eager's does), held to fp32's tolerance wha
 Shapes stay small: the kernel runs in Triton's interpreter on CPU (about 10 ms a row at V = 1531),
 and each chunk is a launch (tens of ms), so most cases pick a few chunks by `chunk_rows`.
 """
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,6 +142,16 @@ def test_every_row_ignored(reduction, device):
 
 @pytest.mark.parametrize("bad", [300, -5])
 def test_out_of_range_target_raises(bad, device):
+    """Eager raises on a target outside [0, V): on CPU an IndexError before any kernel runs; on CUDA,
+    as eager's nll_loss, an asynchronous device-side assert (no host sync in the step), which leaves
+    the process's CUDA context unusable: there the call runs in a child process."""
+    if device == "cuda":
+        code = ("import torch; from fuser.linear_ce import linear_cross_entropy as f; "
+                "x, w = torch.randn(5, 48, device='cuda'), torch.randn(300, 48, device='cuda'); "
+                f"t = torch.tensor([1, 2, {bad}, 3, -100], device='cuda'); f(x, w, t); torch.cuda.synchronize()")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0 and "device-side assert" in run.stderr, run.stderr[-2000:]
+        return
     x, w, b, t = _inputs(device, torch.float32, n=5, v=300)
     t[2] = bad
     with pytest.raises(IndexError, match=f"target {bad} is out of bounds for 300 classes"):
