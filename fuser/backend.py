@@ -1,7 +1,9 @@
 """The `torch.compile(model, backend="fuser")` backend: Dynamo graph -> AOT Autograd -> our pipeline.
 
 A failure inside the pipeline never reaches the user as a crash: the graph runs as it was given
-(eager ATen), the reason goes to the `fuser` logger at WARNING and into the graph's report.
+(eager ATen), the reason goes to the `fuser` logger at WARNING and into the graph's report.  The one
+exception is a backward graph over static sizes after its first call (ReleasingRunner): it drops its
+inputs as it goes, so a failure of ours there is recorded and raised, and later calls run as given.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 import threading
 import traceback
 
+import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import RestartAnalysis, SkipFrame
 from torch._functorch.aot_autograd import make_boxed_func
@@ -97,6 +100,48 @@ class GraphRunner:
             return out
 
 
+class ReleasingRunner:
+    """A backward graph, called boxed (AOT Autograd hands over the list of saved activations and
+    gradients).  Its first call goes through GraphRunner (which can rerun the graph as given on a
+    failure of ours, so it keeps every input until the end).  Later calls run the fused graph in the
+    boxed convention (fx's _BoxedCodeGen): it empties the list and drops each input at its last use,
+    as Inductor's output code does, so the saved activations are freed as the backward consumes
+    them instead of all living until it ends.  Only over static sizes: a graph over symbolic sizes
+    may meet sizes no kernel serves (NotForTheseSizes), which needs its inputs to run as given."""
+
+    def __init__(self, runner: GraphRunner, gm: fx.GraphModule):
+        self.runner, self.boxed, self.warm = runner, _boxed_module(gm), False
+        self._boxed_call = True  # on the instance: AOT's wrappers copy __dict__ (functools.wraps)
+
+    def __call__(self, args: list):
+        r = self.runner
+        if not self.warm or self.boxed is None or r.fused is r.given:
+            self.warm = not any(isinstance(a, int) for a in args)  # ints: symbolic sizes
+            return r(*args)
+        if r.ran is not None:
+            r.ran(r.report)
+        try:
+            return self.boxed(args)
+        except EagerCheckError:
+            raise
+        except Exception as e:  # noqa: BLE001 - its inputs are gone: no rerun, said loudly
+            _fall_back(r.report, "at run time, after its inputs were released", e)
+            r.fused = r.given
+            raise RuntimeError(f"fuser: backward graph {r.report.graph} failed after it released its inputs, so "
+                               f"this call cannot run as given; later calls will: {type(e).__name__}: {e}") from e
+
+
+def _boxed_module(gm: fx.GraphModule):
+    """gm's forward in the boxed convention (a copy of its graph), or None where torch has no such codegen."""
+    codegen = getattr(fx.graph, "_BoxedCodeGen", None)
+    if codegen is None:
+        return None
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(codegen())
+    return fx.GraphModule(gm, graph).forward
+
+
 def make_backend(sink=None, options: dict | None = None, ran=None):
     """A Dynamo backend that fuses each graph it is given: forward (or inference) and backward.
     `sink(report, gm)` hears of each graph compiled, `ran(report)` of each graph run."""
@@ -123,7 +168,8 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
             record(report)
             if sink is not None:
                 sink(report, new)
-            run = make_boxed_func(GraphRunner(new.forward, gm.forward, report, ran))
+            runner = GraphRunner(new.forward, gm.forward, report, ran)
+            run = ReleasingRunner(runner, new) if backward and new is not gm else make_boxed_func(runner)
             if opts["cuda_graphs"]:
                 run = _cuda_graphed(run, gm, static, report, backward, inference, ran)
             return run

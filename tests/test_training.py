@@ -1,7 +1,7 @@
 """Training through fuser: forward and backward ATen graphs both go through the pipeline.
 
 Gradients match eager (fp32: reordering tolerances), and a short AdamW run follows eager's losses.
-Dropout is set to 0 (random ops stay eager; their fused, seeded form is future work).
+Dropout is 0 in the model tests; fused dropout (fuser/dropout.py) has its own tests at the end.
 """
 import copy
 
@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import fuser
+from fuser.backend import GraphRunner, ReleasingRunner
+from fuser.report import FusionReport
 from tolerances import tol
 
 transformers = pytest.importorskip("transformers")
@@ -280,3 +282,67 @@ def test_dropout_option_off_leaves_it_eager(device):
     fused(torch.randn(2, 7, 48, device=device, requires_grad=True)).sum().backward()
     assert not any("claimed" in n for n in _dropout_notes(fused))
     assert any("dropout" in u.op for r in fused.reports for u in r.unfused)
+
+
+_BROKEN = []
+
+
+@torch.fx.wrap
+def _kernel_of_ours(a):
+    if _BROKEN:
+        raise RuntimeError("a kernel of ours failed")
+    return a * 2
+
+
+def _fused_fn(a, b):
+    return (_kernel_of_ours(a) + b,)
+
+
+def test_backward_releases_its_inputs_after_the_first_call(device):
+    """A backward graph's first call keeps its inputs (to rerun the graph as given on a failure of
+    ours); later calls run boxed: the list is emptied and each input dropped at its last use.  A
+    failure after the release is raised with its reason, and later calls run the graph as given."""
+    _BROKEN.clear()
+    gm = torch.fx.symbolic_trace(_fused_fn)
+    runner = ReleasingRunner(GraphRunner(gm.forward, lambda a, b: (a * 2 + b,), FusionReport()), gm)
+    a, b = torch.randn(3, 423, device=device), torch.randn(423, device=device)
+    for call in range(3):
+        args = [a, b]
+        (out,) = runner(args)
+        torch.testing.assert_close(out, a * 2 + b, **tol(torch.float32))
+        assert args == ([a, b] if call == 0 else []), call
+    _BROKEN.append(True)
+    with pytest.raises(RuntimeError, match="after it released its inputs.*a kernel of ours failed"):
+        runner([a, b])
+    assert "after its inputs were released" in runner.runner.report.fallback
+    args = [a, b]
+    torch.testing.assert_close(runner(args)[0], a * 2 + b, **tol(torch.float32))  # as given from now on
+    ints = [a, b, 3]  # an int input (symbolic sizes): never released
+    runner = ReleasingRunner(GraphRunner(lambda a, b, n: (a * n,), lambda a, b, n: (a * n,), FusionReport()), gm)
+    for _ in range(2):
+        runner(ints)
+        assert len(ints) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak memory is measured on CUDA")
+def test_backward_frees_saved_activations_as_it_goes(device):
+    """An MLP whose backward reads 16 saved [2048, 2048] fp32 activations (16 MiB each) and writes 8
+    weight gradients of 16 MiB: from the second step the activations are freed as the backward
+    consumes them, so the gradients no longer stack on top of them all."""
+    if device != "cuda":
+        pytest.skip("the CUDA run of the suite measures it")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.GELU())
+                                  for _ in range(8)]).cuda()
+    compiled = torch.compile(model, backend="fuser")
+    x = torch.randn(2048, 2048, device="cuda")
+    peaks = []
+    for _ in range(3):
+        loss = compiled(x).square().mean()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        model.zero_grad(set_to_none=True)
+    assert peaks[2] < peaks[0] - 64 * 2**20, [p / 2**20 for p in peaks]
