@@ -8,10 +8,12 @@ The model bench (models.py) says how fast each system is; this says why.  For ea
   per step (only for systems without CUDA graphs, whose host work is the step's launches).
 
     python bench/breakdown.py --only llama-decode,gpt2 --systems fuser-cg,inductor-ro --out DIR
+    python bench/breakdown.py --train --only llama-128k --systems inductor,fuser   # training steps
 
 Writes <gpu>-<date>-breakdown.md in DIR.
 """
 import argparse
+import contextlib
 import cProfile
 import pstats
 import sys
@@ -80,16 +82,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="llama-decode,gpt2")
     p.add_argument("--systems", default="inductor,fuser")
+    p.add_argument("--train", action="store_true", help="training steps (models.py --train's makers)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     meta = M._meta(device, False)
     systems = args.systems.split(",")
-    out = [f"# where the step goes: {meta['device']}, {meta['date']}", "",
+    out = [f"# where the step goes{' (training steps)' if args.train else ''}: {meta['device']}, {meta['date']}", "",
            f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}.", ""]
     for name in args.only.split(","):
-        with torch.no_grad():
-            fns, _, _ = M._prepare(name, M._dims(False), device, systems)
+        with contextlib.nullcontext() if args.train else torch.no_grad():
+            prepare = M._prepare_train if args.train else M._prepare
+            fns, _, _ = prepare(name, M._dims(False), device, systems)
             for system in systems:
                 torch._dynamo.reset()
                 try:
@@ -100,7 +104,7 @@ def main(argv=None):
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{meta['slug']}-{meta['date']}-breakdown.md"
+    path = args.out / f"{meta['slug']}-{meta['date']}-{'train-' if args.train else ''}breakdown.md"
     path.write_text("\n".join(out) + "\n")
     print(f"wrote {path}")
 
