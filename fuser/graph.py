@@ -90,6 +90,12 @@ def refresh_fake(gm: fx.GraphModule, changed: list):
         n.meta["val"] = fake_value(n, mode)
 
 
+# meta key of an op that runs as our kernel even alone, where the cost model (which takes an eager
+# kernel to run at full bandwidth) would leave it: split.py's partial column sums, which eager's
+# reduce kernel ran at 14-19 us each for ~10 MB (ViT's bias gradients, bench/notes.md run 33)
+OWN_KERNEL = "fuser_own_kernel"
+
+
 def replaced(gm: fx.GraphModule, changed: list) -> None:
     """After a rewrite of gm's graph: check it, regenerate its code, trace the fake tensors of the
     `changed` nodes (and their readers) again."""

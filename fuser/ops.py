@@ -893,11 +893,15 @@ OPAQUE = {
     aten.bernoulli: "random numbers are left to eager",
     aten.rand: "random numbers are left to eager", aten.randn: "random numbers are left to eager",
     aten.randint: "random numbers are left to eager (fuser::dropout's seed is one)",
+    aten.embedding_dense_backward: "an embedding's gradient: eager's sort-and-segment kernel (decomposed, an "
+                                   "index_put with accumulate serialises repeated indices)",
 }
 
 # SDPA kernels stay whole (they already never write the scores); the core decompositions would
-# otherwise turn the CPU one into matmul + softmax.
-KEEP_WHOLE = [aten._scaled_dot_product_flash_attention_for_cpu, aten.native_dropout]
+# otherwise turn the CPU one into matmul + softmax.  An embedding's gradient stays whole: decomposed,
+# it is an index_put with accumulate, whose CUDA kernel serialises repeated indices (T5's position
+# bias, 65536 positions into 32 buckets: 2.5 ms a step, bench/notes.md run 33).
+KEEP_WHOLE = [aten._scaled_dot_product_flash_attention_for_cpu, aten.native_dropout, aten.embedding_dense_backward]
 
 
 def classify(node) -> Pointwise | Layout | Reduction | Opaque:

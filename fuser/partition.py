@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from . import ops
 from .cost import Cost, eager_time, region_cost
-from .graph import ComputeGraph
+from .graph import OWN_KERNEL, ComputeGraph
 from .region import Region, analyze, reduction_space
 
 
@@ -104,7 +104,8 @@ class Partitioner:
         regions = []
         for gid, nodes in self.members.items():
             compute = [n for n in nodes if n.target is not operator.getitem]
-            if len(compute) < 2:
+            own = len(compute) == 1 and compute[0].meta.get(OWN_KERNEL, False)
+            if len(compute) < 2 and not own:
                 for n in compute:
                     self.reasons.setdefault(n, "alone: no producer or consumer it pays to fuse with (k = 1)")
                 continue
@@ -112,7 +113,7 @@ class Partitioner:
             if region is None:
                 continue
             cost = self.cost(region)
-            if cost.time_fused() >= sum(eager_time(self.cg, n) for n in nodes):
+            if not own and cost.time_fused() >= sum(eager_time(self.cg, n) for n in nodes):
                 for n in compute:
                     self.reasons[n] = "fusing its group would not pay by the cost model"
                 continue

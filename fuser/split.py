@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .cost import NUM_SMS
-from .graph import replaced
+from .graph import OWN_KERNEL, replaced
 from .ops import reduction_dims
 from .region import COLUMN_MIN_WIDTH
 
@@ -42,6 +42,7 @@ def split_column_sums(gm: fx.GraphModule) -> list[str]:
             blocks = gm.graph.call_function(aten.view.default, (x, [parts, rows // parts, *rest]))
             partial = gm.graph.call_function(aten.sum.dim_IntList, (blocks, [1]), {"dtype": acc})
             total = gm.graph.call_function(aten.sum.dim_IntList, (partial, [0]))
+            partial.meta[OWN_KERNEL] = total.meta[OWN_KERNEL] = True  # eager's column sums are slower
             new = [blocks, partial, total]
             if acc != out.dtype:
                 new.append(gm.graph.call_function(prims.convert_element_type.default, (new[-1], out.dtype)))

@@ -41,6 +41,21 @@ def test_column_sums_split_match_fp64(device, split_everywhere, dtype, shape):
         fused.report
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_column_sum_runs_as_our_kernels(device, split_everywhere, dtype):
+    """A bias gradient alone (no prologue to fuse): split, its partial sums run as our kernel even
+    though the cost model would leave a lone op to eager (eager's column sum is the slower one)."""
+    torch.manual_seed(3)
+    g = torch.randn(2048, 96, device=device, dtype=dtype)
+    fused = fuser.fuse(lambda g: g.sum(0))
+    got = fused(g)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), g.double().sum(0), **tol(dtype, scale=4))
+    assert any("column sums split" in n for n in fused.report.notes), fused.report.notes
+    assert [r.output_shapes for r in fused.report.regions][0] == ["[16, 96] float32"], fused.report
+    assert not fused.report.unfused, fused.report.unfused
+
+
 def test_rows_without_a_divisor_stay_one_sum(device, split_everywhere):
     """2053 rows (a prime): no split; a transposed input: no split; a sum over the last dim: a row
     reduction already.  All still eager's values."""
