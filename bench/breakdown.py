@@ -3,7 +3,9 @@
 The model bench (models.py) says how fast each system is; this says why.  For each model x system
 (the same models and makers as models.py), after warm-up:
 - kernels: torch.profiler over 5 steps, GPU time and launches per step grouped by kernel name, the
-  largest first, with each name's share of the step's kernel time;
+  largest first, with each name's share of the step's kernel time; the host's CUDA API calls
+  (synchronisations, copies, launches that block on a full queue); without a profiler, the step
+  back to back, the host's own time per step and the synchronising calls in one step;
 - host: cProfile over 20 steps (no synchronisation inside), the functions with the most own time
   per step (only for systems without CUDA graphs, whose host work is the step's launches).
 
@@ -18,6 +20,7 @@ import cProfile
 import pstats
 import sys
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,11 +29,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models as M  # noqa: E402  (bench/models.py: the same models, inputs and systems)
 
-TOP_KERNELS, TOP_HOST = 25, 25
+TOP_KERNELS, TOP_HOST, TOP_API = 25, 25, 8
 
 
 def kernels(fn, steps=5):
-    """[(name, us per step, launches per step)], largest first, and the step's total kernel us."""
+    """[(name, us per step, launches per step)], largest first, the step's total kernel us, and the
+    CUDA runtime and driver calls the host made: [(name, own us per step, calls per step)].  Those
+    show where the host waited for the GPU (a synchronize, a copy to the host, a full launch queue
+    that makes launches block) rather than worked."""
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
@@ -42,7 +48,44 @@ def kernels(fn, steps=5):
         us[e.name] += (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) / steps
         count[e.name] += 1
     rows = sorted(((n, t, count[n] / steps) for n, t in us.items()), key=lambda r: -r[1])
-    return rows, sum(us.values())
+    api_us, api_count = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("cuda", "cu")):
+            api_us[e.name] += e.self_cpu_time_total / steps
+            api_count[e.name] += 1
+    api = sorted(((n, t, api_count[n] / steps) for n, t in api_us.items()), key=lambda r: -r[1])
+    return rows, sum(us.values()), api
+
+
+def unprofiled(fn, steps=20):
+    """(host us, step us, synchronising calls) per step, without a profiler.  Host: the step's
+    Python with ~100 ms of GPU work queued ahead of it, so that it never waits for the GPU (unless
+    it synchronises): what the host costs.  Step: steps back to back, as a training loop runs them.
+    Synchronising calls: those torch's sync debug mode reports in one step (each stalls the host
+    until the GPU drains).  Host above the kernel time: the step waits on the host."""
+    hosts = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e8))
+        t0 = time.perf_counter()
+        fn()
+        hosts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    step = (time.perf_counter() - start) / steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) and "prototype" not in str(w.message) for w in caught)
+    torch.cuda.synchronize()
+    return min(hosts) * 1e6, step * 1e6, syncs
 
 
 def host(fn, steps=20):
@@ -66,10 +109,14 @@ def cell(name, system, fns, with_host):
     fn = fns[system]()
     for _ in range(4):  # compile, then warm-up (reduce-overhead records its graphs here)
         fn()
-    rows, total = kernels(fn)
+    rows, total, api = kernels(fn)
+    host_us, step_us, syncs = unprofiled(fn)
     lines = [f"### {name} / {system}", "", f"kernel time {total:.1f} us per step, "
-             f"{sum(r[2] for r in rows):.0f} launches", "", "| kernel | us/step | launches | share |", "|---|---|---|---|"]
+             f"{sum(r[2] for r in rows):.0f} launches; without a profiler: step {step_us:.0f} us (back to back), "
+             f"host {host_us:.0f} us (the GPU busy ahead of it), {syncs} synchronising calls", "", "| kernel | us/step | launches | share |", "|---|---|---|---|"]
     lines += [f"| {n[:90]} | {t:.1f} | {c:.0f} | {t / total:.1%} |" for n, t, c in rows[:TOP_KERNELS]]
+    lines += ["", "| CUDA API call on the host | own us/step | calls/step |", "|---|---|---|"]
+    lines += [f"| {n[:90]} | {t:.1f} | {c:.1f} |" for n, t, c in api[:TOP_API]]
     if with_host:
         hrows, wall = host(fn)
         lines += ["", f"host: {wall:.0f} us wall per step (cProfile on; slower than without)", "",

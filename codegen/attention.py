@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from fuser.dtypes import interpreting, math_import
-from fuser.plan import attention_plan
+from fuser.plan import attention_plan, cdiv, next_pow2
 
 __all__ = ["IndexMask", "LinearBias", "ScoreMod", "attention_source", "prepare", "structure_of"]
 
@@ -144,7 +143,7 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype) -> str:
         raise ValueError(f"attention: head_dim {head_dim} not in 1..256")
     if mod.window is not None and mod.window < 1:
         raise ValueError("attention: window must be >= 1")
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     # Triton's interpreter computes bf16 dots wrongly (values ~1e8): there, tiles are upcast to fp32
     # before each dot (exact products, fp32 accumulation as on the GPU).
     upcast = ".to(tl.float32)" if interpreting() and dtype == torch.bfloat16 else ""
@@ -336,7 +335,7 @@ def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse
     for e in extras:
         e = e.expand(B, Hq, M, N)
         extra_args += [e, *e.stride()]
-    grid = (triton.cdiv(M, block_m), B * Hq)
+    grid = (cdiv(M, block_m), B * Hq)
     args = (q, k, v, out, lse, *extra_args, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             Hq, Hq // Hkv, M, N, float(scale))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32", STORE_LSE=return_lse,

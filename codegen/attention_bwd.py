@@ -11,10 +11,9 @@ Every tile of dQ, dK and dV is written by one program (no atomics), each element
 from __future__ import annotations
 
 import torch
-import triton
 
 from fuser.dtypes import interpreting, math_import
-from fuser.plan import attention_bwd_plan
+from fuser.plan import attention_bwd_plan, cdiv, next_pow2
 
 from .attention import _LOG2E, _TL_DTYPE, ScoreMod, _extra_lines, _indent
 
@@ -29,7 +28,7 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype) -> str:
     """Triton source of `attention_bwd_dkdv` and `attention_bwd_dq` for one score mod, head dim, dtype."""
     if mod.lines and mod.grad is None:
         raise NoGradient("attention backward: the score modification has no gradient")
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     upcast = ".to(tl.float32)" if interpreting() and dtype == torch.bfloat16 else ""
     low = "tl.float32" if upcast else _TL_DTYPE[dtype]
     off = mod.causal_offset
@@ -188,7 +187,7 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     B, Hq, M, D = q.shape
     N = k.shape[2]
     block_m, block_n, num_warps, num_stages = attention_bwd_plan(D, q.dtype, q.is_cuda)
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, next_pow2(D))
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1)
     # each program owns the rows it stores, so the gradients are written in the inputs' dtype, rounded
@@ -207,5 +206,5 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
             Hq, Hq // k.shape[1], M, N, float(scale))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32",
                 num_warps=num_warps, num_stages=num_stages)
-    launches = [("attention_bwd_dkdv", (triton.cdiv(N, block_n), B * Hq)), ("attention_bwd_dq", (triton.cdiv(M, block_m), B * Hq))]
+    launches = [("attention_bwd_dkdv", (cdiv(N, block_n), B * Hq)), ("attention_bwd_dq", (cdiv(M, block_m), B * Hq))]
     return dq, dk, dv, launches, args, meta

@@ -8,10 +8,10 @@ the host side of a launch; the runtime loads and launches.
 from __future__ import annotations
 
 import torch
-import triton
 
 from fuser import ops
 from fuser.dtypes import TL_DTYPE, convert
+from fuser.plan import next_pow2
 
 __all__ = ["KERNEL", "prepare", "row_source"]
 
@@ -85,7 +85,7 @@ def block_v(n_classes: int, on_gpu: bool) -> int:
     """Classes a tile.  GPU: 4096, as block_plan's looped reductions (an H200 sweep chose 4096 x 8
     warps there; not swept for this kernel).  Interpreter: 512, so that tests at a few hundred to a
     few thousand classes run the tile loop and numpy's arrays stay small."""
-    return min(triton.next_power_of_2(max(n_classes, 1)), 4096 if on_gpu else 512)
+    return min(next_pow2(max(n_classes, 1)), 4096 if on_gpu else 512)
 
 
 def prepare(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, *, ignore_index: int,

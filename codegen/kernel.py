@@ -30,7 +30,13 @@ R = sympy.Symbol("r", integer=True, nonnegative=True)
 
 
 class CodegenError(Exception):
-    """The region cannot be emitted as one kernel; the caller leaves it to eager."""
+    """The region cannot be emitted as one kernel.  With `node` (a reduction whose result a member
+    reads where one kernel cannot), the pipeline splits the region so that no member reads it;
+    else the region is left to eager."""
+
+    def __init__(self, message: str, node=None):
+        super().__init__(message)
+        self.node = node
 
 
 @dataclass
@@ -340,11 +346,11 @@ class KernelWriter:
     def _reduced(self, n, component: int, idx) -> str:
         want = tuple(sympy.sympify(i) for i in self.row_index(self._component_shape(n, component)))
         if tuple(idx) != want:
-            raise CodegenError(f"{n.name}: a reduction result is read at another row's index")
+            raise CodegenError(f"{n.name}: a reduction result is read at another row's index", n)
         key = (n, component)
         if key not in self.reduced:
             if not self.persistent:
-                raise CodegenError(f"{n.name}: reduction needed before its loop")
+                raise CodegenError(f"{n.name}: reduction needed before its loop", n)
             self._emit_reduction(n)
         return self.reduced[key]
 

@@ -14,6 +14,7 @@ import sympy
 import torch
 
 from . import indexing as ix
+from . import ops
 from .graph import ComputeGraph, is_generator, meta, numel
 from .plan import block_plan  # one place picks block sizes
 from .region import Region
@@ -21,6 +22,11 @@ from .region import Region
 HBM_BYTES_PER_S = 3.0e12   # about what an H100/H200 copy moves; only ratios matter for decisions
 LAUNCH_S = 4e-6            # one eager kernel launch (and its gap) on a GPU
 NUM_SMS = 132              # programs needed to keep every SM busy
+# eager's elementwise kernel leaves TensorIterator's vectorised path when an operand is broadcast or
+# of another dtype than the result: measured at 0.39-0.57x of a copy's bandwidth (H100, bf16
+# [32000, 2048]: times a 0-d fp32 CUDA tensor 1131 GB/s, a row-broadcast bias 1532, .float() 1923,
+# a same-dtype product 2919; bench/notes.md, run 38)
+EAGER_SLOW_PATH = 0.5
 
 
 def tensor_bytes(n, elems=None) -> sympy.Expr:
@@ -83,6 +89,23 @@ def region_cost(region: Region) -> Cost:
     return Cost(unfused, fused, launches, plan.programs, cg.sizes)
 
 
+def eager_slow_path(cg: ComputeGraph, n) -> bool:
+    """A pointwise op whose eager kernel is not vectorised: a tensor operand broadcast to the
+    result's shape or of another dtype (a 0-d CPU tensor is passed as a scalar: not one of those)."""
+    out = meta(n)
+    if not isinstance(cg.info.get(n), ops.Pointwise) or not isinstance(out, torch.Tensor):
+        return False
+    total = cg.sizes.hint(numel(n))
+    for a in cg.data_inputs(n):
+        v = meta(a)
+        if not isinstance(v, torch.Tensor) or (v.dim() == 0 and v.device.type == "cpu"):
+            continue
+        if v.dtype != out.dtype or cg.sizes.hint(cg.read_elems(n, a)) < total:
+            return True
+    return False
+
+
 def eager_time(cg: ComputeGraph, n) -> float:
     b, launches = eager_cost(cg, n)
-    return cg.sizes.hint(b) / HBM_BYTES_PER_S + launches * LAUNCH_S
+    bandwidth = HBM_BYTES_PER_S * (EAGER_SLOW_PATH if eager_slow_path(cg, n) else 1.0)
+    return cg.sizes.hint(b) / bandwidth + launches * LAUNCH_S

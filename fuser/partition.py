@@ -5,6 +5,8 @@ producers.  A merge is kept when (1) the nodes can share one iteration space, (2
 leaves the graph acyclic, and (3) the cost model's time for the merged kernel beats the two apart.
 Then a group that only one other group reads tries to join it whole (under the same three tests).
 The support predicate is pluggable (`supported`), as in torch.fx's CapabilityBasedPartitioner.
+A `sealed` node ends its group: no member of a merged group reads it (the pipeline seals a
+reduction whose readers codegen could not serve in one kernel, and partitions that region again).
 """
 from __future__ import annotations
 
@@ -15,16 +17,20 @@ import networkx as nx
 import torch.fx as fx
 
 from . import ops
-from .cost import Cost, eager_time, region_cost
+from .cost import Cost, eager_slow_path, eager_time, region_cost
 from .graph import OWN_KERNEL, ComputeGraph
 from .region import Region, analyze, reduction_space
 
 
+ALONE_MARGIN = 1.25  # a lone op runs as our kernel only where the model has it this much faster than eager's
+
+
 class Partitioner:
     def __init__(self, graph: fx.Graph, supported: Callable[[fx.Node], bool] | None = None,
-                 cg: ComputeGraph | None = None):
+                 cg: ComputeGraph | None = None, sealed: frozenset = frozenset(), first_id: int = 0):
         self.cg = cg or ComputeGraph(graph)
         self.supported = supported or (lambda n: True)
+        self.sealed, self.first_id = sealed, first_id  # first_id: the id of the first region made
         self.dag = nx.DiGraph()
         for n in self.cg.nodes:
             if self.cg.is_compute(n) or n.op in ("placeholder", "get_attr", "output"):
@@ -72,10 +78,23 @@ class Partitioner:
             stack.extend(self.dag.successors(n))
         return False
 
+    def reads_sealed(self, nodes: set) -> fx.Node | None:
+        """A sealed member of `nodes` that another member reads (directly or through its getitems)."""
+        for s in self.sealed & nodes:
+            for c in self.cg.consumers(s):
+                if any(r in nodes for r in (self.cg.consumers(c) if c.target is operator.getitem else [c])):
+                    return s
+        return None
+
     def try_merge(self, ga: int, gb: int) -> bool:
         a, b = self.members[ga], self.members[gb]
         merged = a | b
         if self.region(merged) is None or self.creates_cycle(a, b):
+            return False
+        if (s := self.reads_sealed(merged)) is not None:
+            for n in merged:
+                self.reasons.setdefault(n, f"{s.name}'s result is read at other rows than its own, which one "
+                                           "kernel cannot serve: it ends its kernel")
             return False
         if self.time(merged) >= self.time(a) + self.time(b) and not _forced(a, b):
             return False
@@ -104,12 +123,12 @@ class Partitioner:
         regions = []
         for gid, nodes in self.members.items():
             compute = [n for n in nodes if n.target is not operator.getitem]
-            own = len(compute) == 1 and compute[0].meta.get(OWN_KERNEL, False)
+            own = len(compute) == 1 and (compute[0].meta.get(OWN_KERNEL, False) or self.pays_alone(compute[0]))
             if len(compute) < 2 and not own:
                 for n in compute:
                     self.reasons.setdefault(n, "alone: no producer or consumer it pays to fuse with (k = 1)")
                 continue
-            region = self.region(nodes, len(regions))
+            region = self.region(nodes, self.first_id + len(regions))
             if region is None:
                 continue
             cost = self.cost(region)
@@ -120,6 +139,15 @@ class Partitioner:
             self.costs[region] = cost
             regions.append(region)
         return regions
+
+    def pays_alone(self, n) -> bool:
+        """A lone pointwise op that our kernel runs faster than eager's by the model, with a margin
+        for the launch: where eager's kernel is not vectorised (a broadcast or cast operand, at the
+        sizes where bandwidth counts: grad_weight times the loss's 0-d fp32 gradient, 232 us eager)."""
+        if not isinstance(self.cg.info[n], ops.Pointwise) or not eager_slow_path(self.cg, n):
+            return False
+        region = self.region({n})
+        return region is not None and self.cost(region).time_fused() * ALONE_MARGIN < eager_time(self.cg, n)
 
     def absorb_producers(self):
         """A group whose data only one other group reads joins that group.  Merged pairwise, node by

@@ -65,7 +65,6 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
             why = not_sdpa.get(a.out, "dropout, or operands on several devices")
             report.notes.append(f"attention at {a.out.name} left to its ops (not SDPA, not our kernel): {why}")
     taken = {n for a in attentions for n in a.nodes}
-    part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg)
     units, kernels, dropped = [], [], []
     hints = dict(cg.sizes.hints)
     bound, made = {}, {}
@@ -76,14 +75,11 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         why = f"not SDPA: {not_sdpa[a.out]}" if a.out in not_sdpa else "attention='triton'"
         report.regions.append(_attention_report(a, cg, kernel.name, kernel.source, graph_index,
                                                 len(report.regions), hints, f"triton flash kernel ({why})"))
-    for region in part.partition():
-        cost = part.cost(region)
+    part, emitted = _emit_regions(gm, cg, taken)
+    for region, kernel, cost in emitted:
         try:
-            name = f"fused_{region.id}"
-            kernel = RegionKernel(region, name, functools.partial(
-                generate, region, device_type=meta(region.outputs[0]).device.type, name=name, cost=cost))
             bound[region] = bind_sizes(gm.graph, kernel.symbols, made)
-        except (CodegenError, Unbound) as e:
+        except Unbound as e:
             dropped += [(n, f"codegen: {e}") for n in region.nodes]
             continue
         units.append(region)
@@ -127,6 +123,45 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
             report.notes.append(f"{len(written)} mutated inputs written in place (no copy of the input, no copy back)")
     report.code.append(new.code)
     return new, report
+
+
+MAX_SEALS = 32  # partitions again at most this many times per graph (then a refused region goes to eager)
+
+
+def _emit_regions(gm, cg, taken: set):
+    """Partition the graph and emit each region's kernel: (the partitioner, [(region, kernel, cost)]).
+    A region codegen refuses because a member reads a reduction's result where one kernel cannot (at
+    another row, or inside the reduction's own loop: GQA's sum over the query heads sharing a K,
+    read by RoPE's rotation in the backward) costs the region, not its ops: the graph is
+    partitioned again with that reduction sealed (it ends its kernel), so its readers join kernels
+    of their own.  Kernels are kept by their node sets across partitions (emitted once); a region
+    refused otherwise, or past MAX_SEALS, is left out, and its nodes give the partitioner's reason
+    or codegen's."""
+    made: dict = {}  # frozenset of nodes -> (region, kernel, cost) or the CodegenError
+    sealed: frozenset = frozenset()
+    while True:
+        part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg, sealed=sealed)
+        out, seal = [], None
+        for region in part.partition():
+            key = frozenset(region.nodes)
+            if key not in made:
+                cost, name = part.cost(region), f"fused_{len(made)}"
+                try:
+                    made[key] = (region, RegionKernel(region, name, functools.partial(
+                        generate, region, device_type=meta(region.outputs[0]).device.type, name=name, cost=cost)), cost)
+                except CodegenError as e:
+                    made[key] = e
+            hit = made[key]
+            if not isinstance(hit, CodegenError):
+                out.append(hit)
+            elif hit.node in region.members and hit.node not in sealed and len(sealed) < MAX_SEALS:
+                seal = hit.node
+                break
+            else:
+                part.reasons.update((n, f"codegen: {hit}") for n in region.nodes)
+        if seal is None:
+            return part, out
+        sealed |= {seal}
 
 
 def _attention_kernel(att, cg, name: str) -> AttentionKernel:

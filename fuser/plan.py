@@ -9,10 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from . import indexing as ix
 from .region import persistent_at
+
+
+def next_pow2(n: int) -> int:
+    """The least power of 2 >= n (1 for n <= 1).  This and cdiv are triton.next_power_of_2's and
+    triton.cdiv's values without their cost on the launch path (ConstexprFunctions in Triton 3.9:
+    6-15 us a call)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -32,18 +42,18 @@ def block_plan(rows: int, r: int | None, device_type: str, column: bool = False)
     cpu = device_type == "cpu"
     if r is None:
         n = max(rows, 1)
-        xblock = min(triton.next_power_of_2(n), 8192 if cpu else 1024)
-        return BlockPlan(xblock, 1, 4, triton.cdiv(n, xblock), True)
+        xblock = min(next_pow2(n), 8192 if cpu else 1024)
+        return BlockPlan(xblock, 1, 4, cdiv(n, xblock), True)
     rows, r = max(rows, 1), max(r, 1)
     if column and not persistent_at(r, column):
-        xblock = min(triton.next_power_of_2(rows), 64)
-        return BlockPlan(xblock, (16384 if cpu else 4096) // xblock, 8, triton.cdiv(rows, xblock), False)
+        xblock = min(next_pow2(rows), 64)
+        return BlockPlan(xblock, (16384 if cpu else 4096) // xblock, 8, cdiv(rows, xblock), False)
     if persistent_at(r):
-        rblock = triton.next_power_of_2(r)
+        rblock = next_pow2(r)
         budget = 16384 if cpu else 4096  # elements per program
-        xblock = min(triton.next_power_of_2(rows), max(1, budget // rblock))
+        xblock = min(next_pow2(rows), max(1, budget // rblock))
         warps = min(16, max(1, xblock * rblock // 512))
-        return BlockPlan(xblock, rblock, warps, triton.cdiv(rows, xblock), True)
+        return BlockPlan(xblock, rblock, warps, cdiv(rows, xblock), True)
     rblock = 8192 if cpu else 4096  # H200 sweep (bench/notes.md): 4096 x 8 warps beat 2048 and 8192
     return BlockPlan(1, rblock, 8, rows, False)
 

@@ -727,6 +727,11 @@ def fast_views(graph, exact: set) -> int:
         steps = (*steps, step)
         v, r = n.meta["val"], root.meta["val"]
         layout = (tuple(v.shape), v.stride(), v.storage_offset() - r.storage_offset())
+        if root in exact and layout == (tuple(r.shape), r.stride(), 0) and not any(u.op == "output" for u in n.users):
+            n.replace_all_uses_with(root)  # views that come back to the root's layout (a permute and its
+            graph.erase_node(n)  # inverse, in backward graphs): the root itself, no call
+            done += 1
+            continue
         with graph.inserting_before(n):
             if root in exact:
                 new = graph.call_function(reinterpret, (root, *layout))

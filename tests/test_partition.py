@@ -1,7 +1,8 @@
 """Region formation: what must be fused, what must not, and the cost-model hand counts.
 
 These run the partitioner on ATen graphs traced with fake tensors (no kernels run), so shapes can
-be as large as the decisions need.
+be as large as the decisions need; a region that codegen refuses and the pipeline splits runs its
+kernels, held to eager.
 """
 import pytest
 import torch
@@ -9,8 +10,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import fuser
 from fuser.decompositions import decompositions
 from fuser.partition import Partitioner
+from helpers import fused_ops
+from tolerances import assert_close_to_eager
 
 F32 = 4
 
@@ -157,3 +161,71 @@ def test_log_softmax_nll_never_writes_the_probabilities():
     big = [r for r in regions if "gather" in names(r)]
     assert big and {"amax", "exp", "log", "gather"} <= names(big[0])
     assert all(tuple(o.meta["val"].shape) != (64, 1000) for o in big[0].outputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_reduction_read_at_other_rows_ends_its_kernel(dtype, device):
+    """The llama backward's GQA sum over the query heads sharing a key, read by RoPE's rotation: the
+    rotation reads the sum half a row away, which one kernel cannot serve.  The sum ends its kernel
+    and the rotation's ops are fused without it, not all left to eager with the region."""
+    g = torch.Generator().manual_seed(0)
+    # [B, KVH, n_rep, S, D], not contiguous (S and n_rep swapped in memory)
+    x = torch.randn(3, 2, 7, 3, 10, generator=g).to(dtype).to(device).transpose(2, 3)
+    cos, sin = (torch.randn(7, 10, generator=g).to(dtype).to(device) for _ in range(2))
+
+    def fn(x, cos, sin):  # the gradient of k * cos + rotate_half(k) * sin, as AOT Autograd writes it
+        k = x.sum(2)
+        t = k * sin
+        z = torch.zeros_like(t)
+        rot = torch.slice_scatter(z, -t[..., :5], -1, 5) + torch.slice_scatter(z, t[..., 5:], -1, 0, 5)
+        return (rot + k * cos).transpose(1, 2).contiguous()
+
+    fused = fuser.fuse(fn)
+    # against fp64 rounded once: eager's fp16 rounds each product, which the sum's cancellation shows
+    assert_close_to_eager(fused(x, cos, sin), fn(x.double(), cos.double(), sin.double()).to(dtype))
+    report = fused.report
+    assert {"neg", "slice_scatter", "mul", "add", "clone"} <= fused_ops(report), report.regions
+    why = [u.reason for u in report.unfused if u.op.startswith("aten.sum")]
+    assert why and "read at other rows" in why[0], report.unfused
+
+
+def _partition(fn, *specs):
+    """The partitioner on fn traced with fake tensors of (shape, dtype) specs."""
+    with FakeTensorMode():
+        args = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+        gm = make_fx(fn, decomposition_table=decompositions())(*args)
+    part = Partitioner(gm.graph)
+    return part.partition(), part
+
+
+@pytest.mark.parametrize("case", ["row_bias", "column_bias", "promoting"])
+def test_a_lone_op_on_eagers_slow_path_runs_as_our_kernel(case):
+    """Eager's elementwise kernel is not vectorised when an operand is broadcast or of another dtype
+    (0.4-0.57x of copy bandwidth, measured): alone and large, such an op runs as our kernel."""
+    big, bf16 = (4096, 8192), torch.bfloat16
+    specs = {"row_bias": [(big, bf16), ((8192,), bf16)], "column_bias": [(big, bf16), ((4096, 1), bf16)],
+             "promoting": [(big, bf16), (big, torch.float32)]}[case]
+    regions, _ = _partition(lambda a, b: a + b, *specs)
+    assert len(regions) == 1 and names(regions[0]) == {"add"}
+
+
+@pytest.mark.parametrize("case", ["same_layout", "small", "cpu_scalar"])
+def test_a_lone_op_on_eagers_fast_path_stays_eager(case):
+    """Same shape and dtype (eager's vectorised kernel), a broadcast too small for bandwidth to count,
+    or a 0-d CPU tensor (eager passes it as a scalar): eager's kernel is as good; left alone."""
+    big, bf16 = (4096, 8192), torch.bfloat16
+    specs = {"same_layout": [(big, bf16), (big, bf16)], "small": [((64, 128), bf16), ((128,), bf16)],
+             "cpu_scalar": [(big, bf16), ((), torch.float32)]}[case]
+    regions, part = _partition(lambda a, b: a * b, *specs)
+    assert regions == [] and "alone" in next(iter(part.reasons.values()))
+
+
+def test_a_lone_broadcast_runs_as_our_kernel_and_matches_eager(device):
+    """End to end: a large row-broadcast add over a non-contiguous input, fused alone, held to eager."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1100, 1000, generator=g).to(device).t()  # [1000, 1100], column-major
+    bias = torch.randn(1100, generator=g).to(device)
+    fn = lambda x, b: x + b  # noqa: E731
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(x, bias), fn(x, bias))
+    assert [r.ops for r in fused.report.regions] == [["aten.add.Tensor"]]
