@@ -11,6 +11,7 @@ import logging
 import threading
 import traceback
 
+import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import RestartAnalysis, SkipFrame
@@ -20,7 +21,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from .pipeline import compile_graph
 from .pregrad import claim
 from .decompositions import decompositions
-from .runtime import CudaGraphs, EagerCheckError, NotForTheseSizes, cuda_graph_refusal, static_inputs
+from .runtime import CudaGraphs, EagerCheckError, NotForTheseSizes, cuda_graph_refusal, static_inputs, write_over_donated
 from .report import FusionReport
 
 log = logging.getLogger("fuser")
@@ -106,11 +107,17 @@ class ReleasingRunner:
     failure of ours, so it keeps every input until the end).  Later calls run the fused graph in the
     boxed convention (fx's _BoxedCodeGen): it empties the list and drops each input at its last use,
     as Inductor's output code does, so the saved activations are freed as the backward consumes
-    them instead of all living until it ends.  Only over static sizes: a graph over symbolic sizes
-    may meet sizes no kernel serves (NotForTheseSizes), which needs its inputs to run as given."""
+    them instead of all living until it ends, and the activations AOT Autograd donates are written
+    over where they are read for the last time (runtime.write_over_donated).  Only over static
+    sizes: a graph over symbolic sizes may meet sizes no kernel serves (NotForTheseSizes), which
+    needs its inputs to run as given."""
 
-    def __init__(self, runner: GraphRunner, gm: fx.GraphModule):
-        self.runner, self.boxed, self.warm = runner, _boxed_module(gm), False
+    def __init__(self, runner: GraphRunner, gm: fx.GraphModule, donated: tuple = ()):
+        self.runner, self.warm = runner, False
+        self.boxed, written = _boxed_module(gm, donated)
+        if written:
+            runner.report.notes.append(f"from the second call, {len(written)} ops write over saved activations AOT "
+                                       f"Autograd donates (freed as they are used): {', '.join(written)}")
         self._boxed_call = True  # on the instance: AOT's wrappers copy __dict__ (functools.wraps)
 
     def __call__(self, args: list):
@@ -131,15 +138,36 @@ class ReleasingRunner:
                                f"this call cannot run as given; later calls will: {type(e).__name__}: {e}") from e
 
 
-def _boxed_module(gm: fx.GraphModule):
-    """gm's forward in the boxed convention (a copy of its graph), or None where torch has no such codegen."""
+def _boxed_module(gm: fx.GraphModule, donated: tuple = ()):
+    """(gm's forward in the boxed convention (a copy of its graph), the calls that write over the
+    `donated` inputs there: runtime.write_over_donated), or (None, []) where torch has no such codegen."""
     codegen = getattr(fx.graph, "_BoxedCodeGen", None)
     if codegen is None:
-        return None
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+        return None, []
+
+    def copy():
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
+        return graph
+
+    graph, written = copy(), []
+    if donated:
+        try:
+            inputs = [n for n in graph.nodes if n.op == "placeholder"]
+            written = write_over_donated(graph, {inputs[i] for i in donated if i < len(inputs)})
+        except Exception as e:  # noqa: BLE001 - a failure here costs the donation, not the graph
+            log.warning("fuser: a backward graph runs without writing over its donated activations: %s: %s",
+                        type(e).__name__, e)
+            graph, written = copy(), []
     graph.set_codegen(codegen())
-    return fx.GraphModule(gm, graph).forward
+    return fx.GraphModule(gm, graph).forward, written
+
+
+def _donated_inputs() -> tuple:
+    """Indices of the backward graph's inputs that AOT Autograd donates (runtime.write_over_donated),
+    read where Inductor reads them: the tracing context's forward metadata."""
+    context = torch._guards.TracingContext.try_get()
+    return tuple(getattr(getattr(context, "fw_metadata", None), "bw_donated_idxs", None) or ())
 
 
 def make_backend(sink=None, options: dict | None = None, ran=None):
@@ -169,7 +197,9 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
             if sink is not None:
                 sink(report, new)
             runner = GraphRunner(new.forward, gm.forward, report, ran)
-            run = ReleasingRunner(runner, new) if backward and new is not gm else make_boxed_func(runner)
+            # donated activations are written over only without CUDA graphs (not yet run under replay)
+            donated = _donated_inputs() if not opts["cuda_graphs"] else ()
+            run = ReleasingRunner(runner, new, donated) if backward and new is not gm else make_boxed_func(runner)
             if opts["cuda_graphs"]:
                 run = _cuda_graphed(run, gm, static, report, backward, inference, ran)
             return run

@@ -22,6 +22,7 @@ runtime never imports codegen or patterns.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -40,6 +41,7 @@ import sympy
 import torch
 from torch._dynamo.backends.cudagraphs import find_input_mutations, get_device_node_mapping
 from torch._inductor import cudagraph_trees
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch._inductor.cudagraph_utils import check_multiple_devices_or_any_cpu_nodes, get_placeholder_info
 from torch._inductor.utils import count_tangents, get_first_incompatible_cudagraph_node, num_fw_fixed_arguments
 from triton import knobs
@@ -662,7 +664,9 @@ def allocator(device: torch.device):
     else:
         def alloc(size, stride, dtype):
             return torch.empty_strided(size, stride, dtype=dtype, device=device)
-    return named(f"empty_strided_{device.type}", alloc)
+    alloc = named(f"empty_strided_{device.type}", alloc)
+    alloc.allocates = True  # a buffer of the wrapper's own (write_over_donated finds them so)
+    return alloc
 
 
 _MULTI_VIEWS = {torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.unbind.int,
@@ -829,20 +833,21 @@ def _lifetimes(nodes: list, owners: set, resolve=lambda m: m):
     return pos, members, last, forever
 
 
-def write_outputs_in_place(graph, allocations: set) -> list[str]:
+def write_outputs_in_place(graph, allocations: set, donated: set = frozenset()) -> list[str]:
     """A kernel's output written over one of its inputs where the kernel allows it (`in_place` of its
     entry: the same layout, each element read before it is written, by the program that writes it)
     and nothing reads that input's memory afterwards: the output's buffer allocation is dropped, so
     the peak holds one of the two (the scores and the probabilities of a softmax after an eager bmm;
     a GELU after a matmul).  The input's memory must be the graph's own: one of the wrapper's
-    buffers, or the new tensor of an eager op (its schema returns no alias), not an input or a
-    graph output, and no other argument of the kernel may share it.  An eager op's result is taken
-    through `take_in_place`, which checks at run time that it has the layout the kernel writes
-    (else a new buffer).  Returns the kernel calls that write in place."""
+    buffers, the new tensor of an eager op (its schema returns no alias), or a `donated` input
+    (write_over_donated), not another input or a graph output, and no other argument of the kernel
+    may share it.  An eager op's result or a donated input is taken through `take_in_place`, which
+    checks at run time that it has the layout the kernel writes (else a new buffer).  Returns the
+    kernel calls that write in place."""
     nodes = list(graph.nodes)
     redirect: dict = {}  # an output allocation dropped -> the owner whose memory the output took
-    pos, members, last, forever = _lifetimes(nodes, set(allocations) | {n for n in nodes if _new_tensor(n)},
-                                             lambda m: redirect.get(m, m))
+    owners = set(allocations) | set(donated) | {n for n in nodes if _new_tensor(n)}
+    pos, members, last, forever = _lifetimes(nodes, owners, lambda m: redirect.get(m, m))
 
     def dies_here(a, k, at: int):
         """The one owner of a's memory, when nothing reads it after k and no other argument of k shares it."""
@@ -899,6 +904,27 @@ def write_outputs_in_place(graph, allocations: set) -> list[str]:
             used.add(i)
             done.append(k.name)
     return done
+
+
+def write_over_donated(graph, donated: set) -> list[str]:
+    """write_outputs_in_place again, over a backward graph whose `donated` inputs are AOT Autograd's
+    donated buffers: saved activations that no forward input or output aliases, which AOT hands the
+    backward to use up (it then refuses `retain_graph=True`, as for Inductor's backward, which
+    writes over them too).  A kernel or an eager pointwise op whose input is one of them, read
+    there for the last time, writes its output over it (the loss op's grad_weight times the loss's
+    gradient: one [V, D] tensor, not two).  Only for a backward run in the boxed convention, which
+    owns its inputs (backend.ReleasingRunner).  AOT checks a donated activation against the forward's
+    inputs and outputs, not against the other saved activations: one that shares its storage with
+    another input (two views of one tensor) is left alone.  Returns the calls that write over an
+    input now."""
+    def storage(n):
+        v = n.meta.get("val")
+        return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) and v.layout == torch.strided else None
+
+    shared = collections.Counter(storage(n) for n in graph.nodes if n.op == "placeholder")
+    donated = {n for n in donated if storage(n) is not None and shared[storage(n)] == 1}
+    allocations = {n for n in graph.nodes if getattr(n.target, "allocates", False)}
+    return write_outputs_in_place(graph, allocations, donated)
 
 
 def _new_tensor(n) -> bool:

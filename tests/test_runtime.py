@@ -8,10 +8,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fuser
 from fuser import runtime
-from fuser.runtime import RegionKernel, reuse_buffers
+from fuser.runtime import RegionKernel, reuse_buffers, write_over_donated
 from tolerances import assert_close_to_eager
 
 aten = torch.ops.aten
@@ -489,3 +490,25 @@ def test_an_interpreted_kernel_leaves_triton_language_as_it_was():
         g = fuser.fuse(lambda t: torch.sigmoid(t) * t + 1.0)
         assert_close_to_eager(g(y), torch.sigmoid(y) * y + 1.0)
         assert g.report.regions and g.report.fallback is None, g.report.fallback
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own_storage", "shared_storage"])
+def test_donated_inputs_are_written_over_unless_they_share_storage(shared):
+    """write_over_donated: an eager pointwise op whose donated input dies there becomes its in-place
+    form, unless that input shares its storage with another input (AOT Autograd checks donated
+    activations against the forward's inputs and outputs, not against each other)."""
+    with FakeTensorMode():
+        base = torch.empty(8)
+        a, b = (base[:4], base[4:]) if shared else (torch.empty(4), torch.empty(4))
+        prod = a * 2
+        total = prod + b
+    graph = torch.fx.Graph()
+    pa, pb = graph.placeholder("a"), graph.placeholder("b")
+    pa.meta["val"], pb.meta["val"] = a, b
+    mul = graph.call_function(torch.ops.aten.mul.Tensor, (pa, 2.0))
+    mul.meta["val"] = prod
+    add = graph.call_function(torch.ops.aten.add.Tensor, (mul, pb))
+    add.meta["val"] = total
+    graph.output((add,))
+    written = write_over_donated(graph, {pa})
+    assert (mul.target is torch.ops.aten.mul_.Tensor) is not shared and (mul.name in written) is not shared, written

@@ -346,3 +346,26 @@ def test_backward_frees_saved_activations_as_it_goes(device):
         peaks.append(torch.cuda.max_memory_allocated() - base)
         model.zero_grad(set_to_none=True)
     assert peaks[2] < peaks[0] - 64 * 2**20, [p / 2**20 for p in peaks]
+
+
+def test_backward_writes_over_donated_activations(device):
+    """From its second call a backward graph writes over the saved activations AOT Autograd donates
+    (runtime.write_over_donated; here the last linear's output, read once by the loss's gradient):
+    the gradients match eager every step, the report says which ops write over them, and
+    `retain_graph=True`, which would read them again, is refused (by AOT Autograd)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32)).to(device)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(lambda x: model(x).square().mean(), backend="fuser")
+    x = torch.randn(37, 64, device=device)
+    for _ in range(3):
+        compiled(x).backward()
+        ref(x).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **tol(torch.float32))
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    notes = [n for r in fuser.backend.all_reports() for n in r.notes if "AOT Autograd donates" in n]
+    assert notes, [r.notes for r in fuser.backend.all_reports()]
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        compiled(x).backward(retain_graph=True)
