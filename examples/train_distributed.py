@@ -11,22 +11,21 @@ Recipes (wrap first, then compile).  What is wrapped is the model with its loss 
 the loss alone): DDP's and FSDP2's forward hooks see the module's outputs, which makes them outputs
 of the graph, so a wrapped model returning its logits would have them made whole; with the loss
 inside, the logits are read by the cross-entropy alone, and fuser runs the LM head and the loss as
-its chunked op, never holding the [tokens x vocabulary] logits (README, Training).  Under DDP it
-does; under FSDP2 not yet: Dynamo breaks the graph at every sharded layer's hooks and runs the frames
-around the break (the LM's forward) in Python, so the head and the loss are compiled as graphs of
-their own, the logits passing between them.
+its chunked op, never holding the [tokens x vocabulary] logits (README, Training), under both.
   * ddp: `DistributedDataParallel(model)` compiled, as torch documents it.
     Dynamo's DDPOptimizer splits the graph where DDP's gradient buckets end and hands each piece to
     the backend, so that one bucket's all-reduce overlaps the backward of the next.  The tiny size
     has 1 MiB buckets (the least DDPOptimizer accepts) and an LM head that fills one (fp32 or bf16),
     so that its graph is split too, as the bench size's is (25 MiB buckets, DDP's default).
-  * fsdp2: `fully_shard` each decoder layer, then the root, then compiled as a whole.  This works with any backend: in torch 2.13 FSDP2's hooks always run outside
-    Dynamo (`torch._dynamo.disable`), so Dynamo breaks the graph at each sharded module's hooks, and
-    the all-gathers and reduce-scatters run eagerly between graphs.  What the backend gets: one
-    graph for a decoder layer (compiled once, run by every layer) and the root's graphs around the
-    layers (embedding, final norm, LM head and loss).  Chosen over compiling each layer alone, the
-    other documented recipe: that leaves the root to eager, and with it the loss over the vocabulary,
-    the largest memory-bound work of the step.
+  * fsdp2: each decoder layer compiled (`layer.compile`) and sharded (`fully_shard`), then the root
+    (WithLoss) sharded; the LM head and the loss compiled as one function of the last hidden state
+    (WithLoss's head_backend), the embedding and the final norm left eager.  FSDP2's hooks run
+    outside Dynamo (`torch._dynamo.disable`), so a model compiled as a whole breaks at every
+    sharded layer, and Dynamo then runs the frames around the layer loop in Python (a graph break in
+    a loop): the head and the loss landed in graphs of their own, the logits passing between them,
+    and the loss was not fused.  Compiled per layer (torchtitan's recipe) plus the head with its
+    loss, the backend gets one graph a decoder layer (compiled once, run by every layer) and one for
+    the head and the loss, which fuser runs as its chunked op.
 
 Data: one global batch, drawn from --seed identically on every rank, trained on at every step (so
 the loss can fall only through the optimizer's steps); rank r takes the r-th slice of its rows.  The
@@ -82,27 +81,36 @@ def build(size: dict, seed: int, device: torch.device, dtype: torch.dtype):
 
 
 class WithLoss(torch.nn.Module):
-    """A causal LM and its loss on the next tokens: token ids -> the loss, the logits kept inside."""
+    """A causal LM and its loss on the next tokens: token ids -> the loss, the logits kept inside.
+    `head_backend`: the LM head and the loss compiled as one function of the last hidden state
+    (FSDP2's recipe, the module's docstring), the same ops as the LM's own forward with labels."""
 
-    def __init__(self, lm):
+    def __init__(self, lm, head_backend: str | None = None):
         super().__init__()
         self.lm = lm
+        self.head_loss = torch.compile(self._head_loss, backend=head_backend) if head_backend else None
+
+    def _head_loss(self, hidden, ids):
+        return self.lm.loss_function(logits=self.lm.lm_head(hidden), labels=ids, vocab_size=self.lm.config.vocab_size)
 
     def forward(self, ids):
-        return self.lm(input_ids=ids, labels=ids).loss
+        if self.head_loss is None:
+            return self.lm(input_ids=ids, labels=ids).loss
+        return self.head_loss(self.lm.model(input_ids=ids).last_hidden_state, ids)
 
 
 def wrap(lm, how: str, backend: str, bucket_mb: float, device: torch.device):
     """The model with its loss, wrapped, compiled (the module's docstring says why these recipes)."""
-    model = WithLoss(lm)
     if how == "ddp":
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+        model = DistributedDataParallel(WithLoss(lm), device_ids=[device.index] if device.type == "cuda" else None,
                                         bucket_cap_mb=bucket_mb)
-    else:
-        for layer in lm.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    return torch.compile(model, backend=backend)
+        return torch.compile(model, backend=backend)
+    model = WithLoss(lm, head_backend=backend)
+    for layer in lm.model.layers:
+        layer.compile(backend=backend)
+        fully_shard(layer)
+    fully_shard(model)
+    return model
 
 
 def train(model, ids, lr: float, steps: int, device: torch.device, world: int = 1):
