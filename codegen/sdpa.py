@@ -280,6 +280,10 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     if att.safe:
         text.append("SDPA's math path as the tracer decomposed it (_safe_softmax: a fully masked row gives 0), "
                     + ("run on the program's 16-bit q, k, v" if low else "q and k scales folded"))
+    if meta(out).stride() != meta(att.out).stride():  # SDPA's output in its own memory order ([B, M, H, D]):
+        for u in list(att.out.users):  # a view that needed the bmm's order (Falcon's flatten(0, 1)) reshapes
+            if u.target in (aten.view.default, aten._unsafe_view.default):
+                u.target = aten.reshape.default
     att.out.replace_all_uses_with(out)
     for n in reversed(att.nodes):
         if not n.users:

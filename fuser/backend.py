@@ -7,6 +7,7 @@ inputs as it goes, so a failure of ours there is recorded and raised, and later 
 """
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import traceback
@@ -144,23 +145,19 @@ def _boxed_module(gm: fx.GraphModule, donated: tuple = ()):
     codegen = getattr(fx.graph, "_BoxedCodeGen", None)
     if codegen is None:
         return None, []
-
-    def copy():
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(isinstance(n.meta.get("val"), torch.SymInt) for n in inputs):
+        donated = ()  # symbolic sizes: never run boxed (ReleasingRunner), so nothing is written over
+    try:
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
-        return graph
-
-    graph, written = copy(), []
-    if donated:
-        try:
-            inputs = [n for n in graph.nodes if n.op == "placeholder"]
-            written = write_over_donated(graph, {inputs[i] for i in donated if i < len(inputs)})
-        except Exception as e:  # noqa: BLE001 - a failure here costs the donation, not the graph
-            log.warning("fuser: a backward graph runs without writing over its donated activations: %s: %s",
-                        type(e).__name__, e)
-            graph, written = copy(), []
-    graph.set_codegen(codegen())
-    return fx.GraphModule(gm, graph).forward, written
+        copied = [n for n in graph.nodes if n.op == "placeholder"]
+        written = write_over_donated(graph, {copied[i] for i in donated if i < len(copied)}) if donated else []
+        graph.set_codegen(codegen())
+        return fx.GraphModule(gm, graph).forward, written
+    except Exception as e:  # noqa: BLE001 - a failure here costs the boxed run, not the graph
+        log.warning("fuser: a backward graph keeps its inputs to its end (no boxed copy): %s: %s", type(e).__name__, e)
+        return None, []
 
 
 def _donated_inputs() -> tuple:
@@ -182,12 +179,13 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
         def compile_(gm, example_inputs):
             index = len(_reports)
             static = static_inputs(gm, n_dynamo_inputs[0], len(example_inputs), backward)  # params, buffers
+            given = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # compile_graph rewrites gm in place
             try:
                 new, report = compile_graph(gm, graph_index=index, attention=opts["attention"] if not backward else False,
                                             cuda_graphs=opts["cuda_graphs"], static=tuple(static))
                 report.graph = index
             except Exception as e:
-                new, report = gm, FusionReport(graph=index)
+                new, report = given, FusionReport(graph=index)
                 _fall_back(report, "while compiling", e)
             if backward:
                 report.notes.append("backward graph (from AOT Autograd)")
@@ -196,12 +194,12 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
             record(report)
             if sink is not None:
                 sink(report, new)
-            runner = GraphRunner(new.forward, gm.forward, report, ran)
+            runner = GraphRunner(new.forward, given.forward, report, ran)
             # donated activations are written over only without CUDA graphs (not yet run under replay)
             donated = _donated_inputs() if not opts["cuda_graphs"] else ()
-            run = ReleasingRunner(runner, new, donated) if backward and new is not gm else make_boxed_func(runner)
+            run = ReleasingRunner(runner, new, donated) if backward and new is not given else make_boxed_func(runner)
             if opts["cuda_graphs"]:
-                run = _cuda_graphed(run, gm, static, report, backward, inference, ran)
+                run = _cuda_graphed(run, given, static, report, backward, inference, ran)
             return run
         return compile_
 

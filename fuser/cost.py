@@ -91,16 +91,20 @@ def region_cost(region: Region) -> Cost:
 
 def eager_slow_path(cg: ComputeGraph, n) -> bool:
     """A pointwise op whose eager kernel is not vectorised: a tensor operand broadcast to the
-    result's shape or of another dtype (a 0-d CPU tensor is passed as a scalar: not one of those)."""
+    result's shape, or a float operand cast to the float result's dtype.  Not slow: a 0-d CPU tensor
+    (passed as a scalar), a generator (no read), an operand whose dtype the op's signature fixes
+    (where's and masked_fill's bool condition, a comparison's operands, integer indices)."""
     out = meta(n)
     if not isinstance(cg.info.get(n), ops.Pointwise) or not isinstance(out, torch.Tensor):
         return False
     total = cg.sizes.hint(numel(n))
     for a in cg.data_inputs(n):
         v = meta(a)
-        if not isinstance(v, torch.Tensor) or (v.dim() == 0 and v.device.type == "cpu"):
+        if not isinstance(v, torch.Tensor) or (v.dim() == 0 and v.device.type == "cpu") or is_generator(a):
             continue
-        if v.dtype != out.dtype or cg.sizes.hint(cg.read_elems(n, a)) < total:
+        if cg.sizes.hint(cg.read_elems(n, a)) < total:
+            return True
+        if v.dtype != out.dtype and v.dtype.is_floating_point and out.dtype.is_floating_point:
             return True
     return False
 

@@ -125,27 +125,31 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     return new, report
 
 
-MAX_SEALS = 32  # partitions again at most this many times per graph (then a refused region goes to eager)
+MAX_PASSES = 8  # partitions of one graph at most (then a refused region goes to eager, with codegen's reason)
 
 
 def _emit_regions(gm, cg, taken: set):
     """Partition the graph and emit each region's kernel: (the partitioner, [(region, kernel, cost)]).
     A region codegen refuses because a member reads a reduction's result where one kernel cannot (at
     another row, or inside the reduction's own loop: GQA's sum over the query heads sharing a K,
-    read by RoPE's rotation in the backward) costs the region, not its ops: the graph is
-    partitioned again with that reduction sealed (it ends its kernel), so its readers join kernels
-    of their own.  Kernels are kept by their node sets across partitions (emitted once); a region
-    refused otherwise, or past MAX_SEALS, is left out, and its nodes give the partitioner's reason
-    or codegen's."""
+    read by RoPE's rotation in the backward) costs the region, not its ops: every such reduction of
+    the pass is sealed (it ends its kernel) and the graph partitioned again, so their readers join
+    kernels of their own (one more pass for all the layers of a model).  Kernels are kept by their
+    node sets across passes (emitted once; named by region ids that never repeat across passes); a
+    region refused otherwise, or in the last pass, is left out, and its nodes give the partitioner's
+    reason or codegen's."""
     made: dict = {}  # frozenset of nodes -> (region, kernel, cost) or the CodegenError
     sealed: frozenset = frozenset()
-    while True:
-        part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg, sealed=sealed)
-        out, seal = [], None
-        for region in part.partition():
+    first_id = 0
+    for last in [False] * (MAX_PASSES - 1) + [True]:
+        part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg, sealed=sealed, first_id=first_id)
+        regions = part.partition()
+        first_id += len(regions)
+        out, seal = [], set()
+        for region in regions:
             key = frozenset(region.nodes)
             if key not in made:
-                cost, name = part.cost(region), f"fused_{len(made)}"
+                cost, name = part.cost(region), f"fused_{region.id}"
                 try:
                     made[key] = (region, RegionKernel(region, name, functools.partial(
                         generate, region, device_type=meta(region.outputs[0]).device.type, name=name, cost=cost)), cost)
@@ -154,14 +158,13 @@ def _emit_regions(gm, cg, taken: set):
             hit = made[key]
             if not isinstance(hit, CodegenError):
                 out.append(hit)
-            elif hit.node in region.members and hit.node not in sealed and len(sealed) < MAX_SEALS:
-                seal = hit.node
-                break
+            elif hit.node in region.members and hit.node not in sealed and not last:
+                seal.add(hit.node)
             else:
                 part.reasons.update((n, f"codegen: {hit}") for n in region.nodes)
-        if seal is None:
+        if not seal:
             return part, out
-        sealed |= {seal}
+        sealed |= seal
 
 
 def _attention_kernel(att, cg, name: str) -> AttentionKernel:

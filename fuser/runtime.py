@@ -769,6 +769,8 @@ def _view_site(n):
     if not (isinstance(v, torch.Tensor) and isinstance(b, torch.Tensor)) or v.dtype != b.dtype or v.layout != torch.strided \
             or b.layout != torch.strided or not all(_static(t) for t in (v, b)):
         return None
+    if StorageWeakRef(v.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
+        return None  # a reshape (or flatten) that copied where it was traced: not a view of base
     return base, step
 
 
@@ -915,14 +917,19 @@ def write_over_donated(graph, donated: set) -> list[str]:
     gradient: one [V, D] tensor, not two).  Only for a backward run in the boxed convention, which
     owns its inputs (backend.ReleasingRunner).  AOT checks a donated activation against the forward's
     inputs and outputs, not against the other saved activations: one that shares its storage with
-    another input (two views of one tensor) is left alone.  Returns the calls that write over an
+    another input (two views of one tensor) is left alone, and so is one that is part of a larger
+    storage (a gradient written there would keep all of it alive).  Returns the calls that write over an
     input now."""
     def storage(n):
         v = n.meta.get("val")
         return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) and v.layout == torch.strided else None
 
+    def whole(n):  # the tensor is all of its storage: an output written there frees no less than it
+        v = n.meta["val"]
+        return v.untyped_storage().nbytes() == v.numel() * v.element_size()
+
     shared = collections.Counter(storage(n) for n in graph.nodes if n.op == "placeholder")
-    donated = {n for n in donated if storage(n) is not None and shared[storage(n)] == 1}
+    donated = {n for n in donated if storage(n) is not None and shared[storage(n)] == 1 and whole(n)}
     allocations = {n for n in graph.nodes if getattr(n.target, "allocates", False)}
     return write_outputs_in_place(graph, allocations, donated)
 

@@ -377,16 +377,26 @@ def _split_kt_permutes(graph: fx.Graph) -> int:
 
 
 def _drop_identity_views(graph: fx.Graph) -> int:
-    """A view to the shape a tensor already has (Falcon views its 4-D scores to the same 4-D shape)
-    is the tensor itself: its readers read the tensor, so the score chain is pointwise end to end."""
+    """A view (or a chain of views) back to the layout a tensor already has is the tensor itself:
+    Falcon views its 4-D scores to the same 4-D shape, or to 3-D and back (its in-place scaling of the
+    bmm's output, functionalised).  Its readers read the tensor, so the score chain is pointwise end
+    to end."""
     done = 0
     for n in list(graph.nodes):
-        if packet(n) in _VIEW and isinstance(n.args[0], fx.Node) and meta(n) is not None \
-                and meta(n.args[0]) is not None and tuple(shape(n)) == tuple(shape(n.args[0])) \
-                and meta(n).stride() == meta(n.args[0]).stride() and _reaches_softmax(n):
-            n.replace_all_uses_with(n.args[0])
-            graph.erase_node(n)
-            done += 1
+        if packet(n) not in _VIEW or meta(n) is None or not _reaches_softmax(n):
+            continue
+        x, between = n.args[0], []
+        while isinstance(x, fx.Node) and meta(x) is not None:
+            if (tuple(shape(x)), meta(x).stride(), meta(x).storage_offset()) == \
+                    (tuple(shape(n)), meta(n).stride(), meta(n).storage_offset()):
+                n.replace_all_uses_with(x)
+                for dead in [n, *between]:  # the views on the way, where nothing else reads them
+                    if not dead.users:
+                        graph.erase_node(dead)
+                done += 1
+                break
+            between.append(x)
+            x = x.args[0] if packet(x) in _VIEW else None
     return done
 
 

@@ -115,6 +115,23 @@ def test_pipeline_failure_falls_back_with_the_reason(monkeypatch, caplog):
     assert "left to eager as a whole" in str(fused.report) and not fused.report.regions
 
 
+def test_fallback_runs_the_graph_as_it_was_given(monkeypatch, caplog):
+    """The pipeline rewrites the graph in place; one that fails half way (a lowering made, then an
+    error) must not leave its half-rewritten graph to run: the fallback runs a copy taken before."""
+    import fuser.backend as backend
+
+    def broken(gm, **kwargs):
+        for n in gm.graph.nodes:  # a rewrite that changes the answer: every add becomes a sub
+            if n.target is torch.ops.aten.add.Tensor:
+                n.target = torch.ops.aten.sub.Tensor
+        gm.recompile()
+        raise ValueError("synthetic failure after a rewrite")
+
+    monkeypatch.setattr(backend, "compile_graph", broken)
+    fused = _fused_chain_checked(caplog)  # held to eager
+    assert "synthetic failure after a rewrite" in fused.report.fallbacks[0]
+
+
 def test_capture_failure_falls_back(monkeypatch, caplog):
     """AOT Autograd (or a decomposition) failing on a graph: Dynamo's graph runs as given."""
     import fuser.backend as backend

@@ -228,18 +228,26 @@ def test_mask_computed_from_v_is_not_rewritten(device):
     _check(attn, q, k, v, attention=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "bloom", "falcon"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "bloom", "falcon", "falcon_no_mask", "falcon_rope",
+                                  "falcon_new_arch"])
 def test_hf_eager_attention_is_recognised(name, device):
     """BLOOM writes its scores as baddbmm(alibi, q, kᵀ) over [B·H, ., .] with Kᵀ transposed after
     that view: the ALiBi bias joins the additive mask.  Falcon (ALiBi, multi-query) broadcasts its
-    one K/V head to all query heads and views its scores to the shape they have."""
+    one K/V head to all query heads and views its scores to the shape they have; without a mask its
+    ALiBi and causal mask are constants, and it flattens the attention's output (a view of the bmm's
+    layout, which SDPA's output does not have: a reshape there).  Falcon with RoPE scales its scores
+    in place: a view to [B·H, M, N] and back around the division."""
     torch.manual_seed(6)
     kw = {}
-    if name == "falcon":
+    if name.startswith("falcon"):
+        arch = dict(falcon=dict(alibi=True), falcon_no_mask=dict(alibi=True, multi_query=False),
+                    falcon_rope=dict(alibi=False), falcon_new_arch=dict(alibi=False, new_decoder_architecture=True,
+                                                                        num_kv_heads=2))[name]
         model = transformers.FalconForCausalLM(transformers.FalconConfig(
-            vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True))
-        kw["attention_mask"] = torch.ones(2, 37, dtype=torch.long, device=device)
-        kw["attention_mask"][1, :6] = 0
+            vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, attn_implementation="eager", **arch))
+        if name != "falcon_no_mask":
+            kw["attention_mask"] = torch.ones(2, 37, dtype=torch.long, device=device)
+            kw["attention_mask"][1, :6] = 0
     elif name == "bloom":
         model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=97, hidden_size=64, n_layer=2, n_head=4))
         kw["attention_mask"] = torch.ones(2, 37, dtype=torch.long, device=device)
@@ -266,7 +274,7 @@ def test_hf_eager_attention_is_recognised(name, device):
     regions = _attention_regions(fused)
     assert all(r.kernel == "sdpa" for r in regions), str(fused.report)
     assert fused.report.fallback is None, fused.report.fallback
-    if name in ("bert", "bloom", "falcon"):  # a padding mask is data: never taken for a causal structure
+    if "attention_mask" in kw:  # a padding mask is data: never taken for a causal structure
         assert not any("is_causal=True" in r.source for r in regions)
     if name in ("llama", "gpt2"):  # HF's mask where(keep, 0, finfo.min) is finite: no NaN fix-up
         assert not any("NaN" in r.source for r in regions)

@@ -219,14 +219,20 @@ def test_a_lone_op_on_eagers_slow_path_runs_as_our_kernel(case):
     assert len(regions) == 1 and names(regions[0]) == {"add"}
 
 
-@pytest.mark.parametrize("case", ["same_layout", "small", "cpu_scalar"])
+@pytest.mark.parametrize("case", ["same_layout", "small", "cpu_scalar", "where", "masked_fill", "compare", "ints"])
 def test_a_lone_op_on_eagers_fast_path_stays_eager(case):
     """Same shape and dtype (eager's vectorised kernel), a broadcast too small for bandwidth to count,
-    or a 0-d CPU tensor (eager passes it as a scalar): eager's kernel is as good; left alone."""
-    big, bf16 = (4096, 8192), torch.bfloat16
-    specs = {"same_layout": [(big, bf16), (big, bf16)], "small": [((64, 128), bf16), ((128,), bf16)],
-             "cpu_scalar": [(big, bf16), ((), torch.float32)]}[case]
-    regions, part = _partition(lambda a, b: a * b, *specs)
+    a 0-d CPU tensor (eager passes it as a scalar), or operands whose dtype the op's signature fixes
+    (a bool condition, a comparison's bool result, integers): eager's kernel is as good; left alone."""
+    big, bf16, b8 = (4096, 8192), torch.bfloat16, torch.bool
+    mul = lambda a, b: a * b  # noqa: E731
+    fn, specs = {"same_layout": (mul, [(big, bf16), (big, bf16)]), "small": (mul, [((64, 128), bf16), ((128,), bf16)]),
+                 "cpu_scalar": (mul, [(big, bf16), ((), torch.float32)]),
+                 "where": (lambda m, a, b: torch.where(m, a, b), [(big, b8), (big, bf16), (big, bf16)]),
+                 "masked_fill": (lambda a, m: a.masked_fill(m, 0.0), [(big, bf16), (big, b8)]),
+                 "compare": (lambda a, b: a < b, [(big, bf16), (big, bf16)]),
+                 "ints": (lambda a: a != -100, [(big, torch.int64)])}[case]
+    regions, part = _partition(fn, *specs)
     assert regions == [] and "alone" in next(iter(part.reasons.values()))
 
 
