@@ -40,7 +40,7 @@ from fuser.codegen.attention_bwd import attention_bwd_source, prepare_bwd
 from fuser.codegen.score_mod import score_mod
 from fuser.graph import ComputeGraph, meta
 from fuser.patterns import cross_entropy
-from fuser.patterns.attention import dropout_site, extra_forms, find, mask_structure, normalize_attention
+from fuser.patterns.attention import safe_rows, dropout_site, extra_forms, find, mask_structure, normalize_attention
 
 from .dropout import dropout_op
 from .dtypes import target
@@ -144,8 +144,18 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
     with mode:
         traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax, aten.dropout]))(*values)
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
-    notes = (_claim_attention(traced, example_inputs) if attention else []) + \
-        (_claim_losses(traced) if loss else []) + (_claim_dropouts(traced) if dropout else [])
+    notes = _claim_attention(traced, example_inputs) if attention else []
+    if any(safe_rows(n) for n in traced.graph.nodes):
+        # SDPA's math path, decomposed by the trace (_safe_softmax) and not claimed back: its decomposed
+        # backward gives NaN on a row whose every key is -inf, where eager's gives 0.  Traced again
+        # with _safe_softmax kept whole, for the loss and dropout alone.
+        notes = [n for n in notes if " claimed before autograd" not in n] + [
+            "attention in training left to its ops: SDPA's math path, as the trace decomposed it, could not be "
+            "claimed back (its decomposed backward gives NaN on fully masked rows, eager's 0)"]
+        with mode:
+            traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten.dropout]))(*values)
+        traced.graph.eliminate_dead_code()
+    notes += (_claim_losses(traced) if loss else []) + (_claim_dropouts(traced) if dropout else [])
     if not any(" claimed before autograd" in n for n in notes):
         return gm, notes
     traced.graph.eliminate_dead_code()
@@ -163,7 +173,14 @@ def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:
     cg = ComputeGraph(traced.graph)
     notes, fixups = [], {}
     learned = _needing_grad(traced.graph, example_inputs)
+    data = _from_tensors(traced.graph)
     for a in find(traced.graph, cg):
+        if any(e in data and e not in learned for e in a.extras):  # a learned bias: refused below, with its reason
+            notes.append("attention in training left to its ops: a mask or bias that is data (a padding mask, say) "
+                         "can mask a row's every key with a finite fill, where eager's probabilities are uniform; "
+                         "the backward of SDPA and of our kernel recompute them from a log-sum-exp that has lost "
+                         "them (-1e36 + log N rounds to -1e36)")
+            continue
         try:
             text, _ = sdpa.lower(traced, a, fixups)
         except sdpa.NotExpressible as e:
@@ -234,6 +251,17 @@ def _claim_dropouts(traced: fx.GraphModule) -> list[str]:
         sites += 1
     return [f"dropout claimed before autograd: {sites} site(s) as fuser::dropout (seeded, fused into regions, "
             "no mask saved)"] if sites else []
+
+
+def _from_tensors(graph: fx.Graph) -> set:
+    """The nodes computed from an input tensor's values (a mask built from sizes alone is not).
+    Decision: a buffer counts as data too (a mask held in one is claimed in inference, where its
+    value is checked at run time, not in training, where a fully masked row would go wrong)."""
+    found = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)) or any(a in found for a in n.all_input_nodes):
+            found.add(n)
+    return found
 
 
 def _needing_grad(graph: fx.Graph, example_inputs) -> set:

@@ -118,7 +118,7 @@ def dropout_site(n):
     return None
 
 
-def _safe_rows(p) -> list:
+def safe_rows(p) -> list:
     """torch's _safe_softmax as decomposed: where(not any(not (x == -inf)), 0, softmax(x)) (or with
     all(x == -inf)): its nodes other than the softmax, or [] if p is not that."""
     if packet(p) is not aten.where or len(p.args) != 3 or not isinstance(p.args[0], fx.Node):
@@ -239,7 +239,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
             walked_p += walked
         else:
             break
-    safe = _safe_rows(p)
+    safe = safe_rows(p)
     if safe:
         walked_p += safe
         p = p.args[2]

@@ -369,3 +369,35 @@ def test_backward_writes_over_donated_activations(device):
     assert notes, [r.notes for r in fuser.backend.all_reports()]
     with pytest.raises(RuntimeError, match="retain_graph"):
         compiled(x).backward(retain_graph=True)
+
+
+@pytest.mark.parametrize("case", ["llama_eager", "falcon_sdpa"])
+def test_left_padding_in_training_keeps_eagers_gradients(case, device):
+    """Left padding in a causal LM: a pad row's query sees no key.  Eager's probabilities there are
+    uniform (Hugging Face's finite fill) or 0 (SDPA's math path, _safe_softmax), and their gradients
+    flow back (the labels' shift reads the last pad row).  SDPA's backward and our kernel's recompute
+    those probabilities from a log-sum-exp that lost them, and the trace's decomposed _safe_softmax
+    backward gives NaN: so a data mask keeps its attention with its ops in training, and a math
+    path the trace could not claim back is traced again whole.  Gradients: eager's."""
+    torch.manual_seed(0)
+    if case == "llama_eager":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attn_implementation="eager"))
+    else:
+        model = transformers.FalconForCausalLM(transformers.FalconConfig(
+            vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=False,
+            attn_implementation="sdpa", hidden_dropout=0.0, attention_dropout=0.0))
+    model = model.to(device)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 101, (2, 16), device=device)
+    mask = torch.ones(2, 16, dtype=torch.long, device=device)
+    mask[1, :4] = 0  # left padding
+    fused = fuser.fuse(lambda ids, mask: model(input_ids=ids, attention_mask=mask, labels=ids).loss)  # the loss claimed too
+    fused(ids, mask).backward()
+    twin(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        assert not p.grad.isnan().any(), n
+        torch.testing.assert_close(p.grad, q.grad, atol=2e-4, rtol=2e-4, msg=n)
+    notes = [n for r in fused.reports for n in r.notes]
+    assert any("left to its ops" in n for n in notes), notes
