@@ -42,6 +42,7 @@ class Partitioner:
         self.members: dict[int, set] = {}
         self.reasons: dict = {}
         self.costs: dict = {}  # region -> Cost, for the regions partition() returns
+        self._eager: dict = {}  # node -> eager_time
 
     def candidate(self, n) -> bool:
         return self.cg.is_compute(n) and self.cg.fusible(n) and self.supported(n)
@@ -50,9 +51,16 @@ class Partitioner:
     def time(self, nodes) -> float:
         """Modelled seconds: eager for a lone op (and its getitems), else the fused kernel's."""
         if sum(n.target is not operator.getitem for n in nodes) <= 1:
-            return sum(eager_time(self.cg, n) for n in nodes)
+            return sum(self.eager(n) for n in nodes)
         region = self.region(nodes)
         return float("inf") if region is None else self.cost(region).time_fused()
+
+    def eager(self, n) -> float:
+        """Modelled seconds of n as its own eager kernel, worked out once a node (merges ask often)."""
+        t = self._eager.get(n)
+        if t is None:
+            t = self._eager[n] = eager_time(self.cg, n)
+        return t
 
     def region(self, nodes, rid=0) -> Region | None:
         space = analyze(self.cg, list(nodes))
@@ -132,7 +140,7 @@ class Partitioner:
             if region is None:
                 continue
             cost = self.cost(region)
-            if not own and cost.time_fused() >= sum(eager_time(self.cg, n) for n in nodes):
+            if not own and cost.time_fused() >= sum(self.eager(n) for n in nodes):
                 for n in compute:
                     self.reasons[n] = "fusing its group would not pay by the cost model"
                 continue
@@ -147,7 +155,7 @@ class Partitioner:
         if not isinstance(self.cg.info[n], ops.Pointwise) or not eager_slow_path(self.cg, n):
             return False
         region = self.region({n})
-        return region is not None and self.cost(region).time_fused() * ALONE_MARGIN < eager_time(self.cg, n)
+        return region is not None and self.cost(region).time_fused() * ALONE_MARGIN < self.eager(n)
 
     def absorb_producers(self):
         """A group whose data only one other group reads joins that group.  Merged pairwise, node by

@@ -138,7 +138,7 @@ def _emit_regions(gm, cg, taken: set):
     node sets across passes (emitted once; named by region ids that never repeat across passes); a
     region refused otherwise, or in the last pass, is left out, and its nodes give the partitioner's
     reason or codegen's."""
-    made: dict = {}  # frozenset of nodes -> (region, kernel, cost) or the CodegenError
+    emitted: dict = {}  # frozenset of nodes -> (region, kernel, cost) or the CodegenError
     sealed: frozenset = frozenset()
     first_id = 0
     for last in [False] * (MAX_PASSES - 1) + [True]:
@@ -148,14 +148,14 @@ def _emit_regions(gm, cg, taken: set):
         out, seal = [], set()
         for region in regions:
             key = frozenset(region.nodes)
-            if key not in made:
+            if key not in emitted:
                 cost, name = part.cost(region), f"fused_{region.id}"
                 try:
-                    made[key] = (region, RegionKernel(region, name, functools.partial(
+                    emitted[key] = (region, RegionKernel(region, name, functools.partial(
                         generate, region, device_type=meta(region.outputs[0]).device.type, name=name, cost=cost)), cost)
                 except CodegenError as e:
-                    made[key] = e
-            hit = made[key]
+                    emitted[key] = e
+            hit = emitted[key]
             if not isinstance(hit, CodegenError):
                 out.append(hit)
             elif hit.node in region.members and hit.node not in sealed and not last:

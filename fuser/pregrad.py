@@ -253,28 +253,28 @@ def _claim_dropouts(traced: fx.GraphModule) -> list[str]:
             "no mask saved)"] if sites else []
 
 
-def _from_tensors(graph: fx.Graph) -> set:
-    """The nodes computed from an input tensor's values (a mask built from sizes alone is not).
-    Decision: a buffer counts as data too (a mask held in one is claimed in inference, where its
-    value is checked at run time, not in training, where a fully masked row would go wrong)."""
-    found = set()
+def _computed_from(graph: fx.Graph, inputs) -> set:
+    """The nodes computed from the placeholders in `inputs`, those included."""
+    found = set(inputs)
     for n in graph.nodes:
-        if (n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)) or any(a in found for a in n.all_input_nodes):
+        if n.op != "placeholder" and any(a in found for a in n.all_input_nodes):
             found.add(n)
     return found
 
 
+def _from_tensors(graph: fx.Graph) -> set:
+    """The nodes computed from an input tensor's values (a mask built from sizes alone is not).
+    Decision: a buffer counts as data too (a mask held in one is claimed in inference, where its
+    value is checked at run time, not in training, where a fully masked row would go wrong)."""
+    return _computed_from(graph, [n for n in graph.nodes if n.op == "placeholder"
+                                  and isinstance(n.meta.get("val"), torch.Tensor)])
+
+
 def _needing_grad(graph: fx.Graph, example_inputs) -> set:
     """The nodes computed from an input that needs a gradient (the trace's own values do not say)."""
-    needs, inputs = set(), iter(example_inputs)
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            x = next(inputs, None)
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                needs.add(n)
-        elif any(a in needs for a in n.all_input_nodes):
-            needs.add(n)
-    return needs
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return _computed_from(graph, [n for n, x in zip(placeholders, example_inputs)
+                                  if isinstance(x, torch.Tensor) and x.requires_grad])
 
 
 def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set) -> str | None:
