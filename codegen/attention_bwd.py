@@ -15,7 +15,7 @@ import torch
 from fuser.dtypes import interpreting, math_import
 from fuser.plan import attention_bwd_plan, cdiv, next_pow2
 
-from .attention import _LOG2E, _TL_DTYPE, ScoreMod, _extra_lines, _indent
+from .attention import _LOG2E, _TL_DTYPE, ScoreMod, _extra_lines, _indent, probability_dropout
 
 __all__ = ["attention_bwd_source", "prepare_bwd"]
 
@@ -24,8 +24,9 @@ class NoGradient(ValueError):
     """The score modification has no gradient lines (a chain whose derivative was not derived)."""
 
 
-def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype) -> str:
-    """Triton source of `attention_bwd_dkdv` and `attention_bwd_dq` for one score mod, head dim, dtype."""
+def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0.0) -> str:
+    """Triton source of `attention_bwd_dkdv` and `attention_bwd_dq` for one score mod, head dim, dtype;
+    `dropout` as the forward's (its mask drawn again from the same seed and counters)."""
     if mod.lines and mod.grad is None:
         raise NoGradient("attention backward: the score modification has no gradient")
     block_d = max(16, next_pow2(head_dim))
@@ -50,8 +51,11 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype) -> str:
             lines.append("g = 1.0")
         if not full:
             lines.append(f's = tl.where({" & ".join(keep)}, s, float("-inf"))')
-        lines += ["p = tl.exp2((s - lse[:, None]) * LOG2E)  # the forward's probabilities, recomputed",
+        lines += ["p = tl.exp2(((s - m_row[:, None]) - log_l[:, None]) * LOG2E)  # the forward's probabilities, recomputed",
                   "dp = tl.dot(do, vT, input_precision=DOT_PRECISION)"]
+        if dropout:  # O = dropout(P) @ V: dV reads the dropped P, and dP passes back through the same mask;
+            # delta = rowsum(dO * O) is still rowsum(P * dP) with the mask applied (FlashAttention-2)
+            lines += [f"p_kept = {probability_dropout('p', dropout)}", f"dp = {probability_dropout('dp', dropout)}"]
         lines.append("ds = p * (dp - delta[:, None]) * g" if full else
                      "ds = tl.where(p == 0.0, 0.0, p * (dp - delta[:, None]) * g)  # masked scores pass no gradient")
         return lines
@@ -61,12 +65,13 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype) -> str:
         dm = "d_ok[None, :]" if d_pad else None
         m2 = " & ".join(x for x in (rm, dm) if x)
         m2 = f", mask={m2}, other=0.0" if m2 else ""
-        m1 = "" if full else ", mask=offs_m < M, other=float('inf')"
+        m1 = "" if full else ", mask=offs_m < M, other=float('inf')"  # rows past M: p = 0
         m0 = "" if full else ", mask=offs_m < M, other=0.0"
         return [f"offs_m = {rows}", "q_idx = offs_m[:, None]", "q_ok = q_idx < M",
                 f"q = tl.load(q_base + q_idx * stride_qm + offs_d[None, :] * stride_qd{m2}){upcast}",
                 f"do = tl.load(do_base + q_idx * stride_om + offs_d[None, :] * stride_od{m2}){upcast}",
-                f"lse = tl.load(LSE + row + offs_m{m1})",
+                f"m_row = tl.load(LSE + row + offs_m{m1})",
+                f"log_l = tl.load(LSE + stats + row + offs_m{m0})",
                 f"delta = tl.load(DELTA + row + offs_m{m0})"]
 
     def k_tiles(cols: str, full: bool) -> list[str]:
@@ -108,7 +113,7 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype) -> str:
                            for i in range(mod.n_extra))
     extra_bases = [f"extra{i}_base = extra{i}_ptr + b64 * extra{i}_s0 + h64 * extra{i}_s1" for i in range(mod.n_extra)]
     extra_bases += [mod.form(i).setup(i) for i in range(mod.n_extra) if hasattr(mod.form(i), "setup")]
-    params = f"""Q, K, V, DO, LSE, DELTA, DQ, DK, DV,
+    params = f"""Q, K, V, DO, LSE, DELTA, DQ, DK, DV, SEED,
     {extra_params}stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -125,14 +130,15 @@ q_base = Q + b64 * stride_qb + h64 * stride_qh
 do_base = DO + b64 * stride_ob + h64 * stride_oh  # dO has O's layout (contiguous, made so by the caller)
 k_base = K + b64 * stride_kb + kv64 * stride_kh
 v_base = V + b64 * stride_vb + kv64 * stride_vh
-row = bh.to(tl.int64) * M  # LSE, DELTA: [B*Hq, M]
+row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima, then the logs of the row sums
+stats = tl.num_programs(1).to(tl.int64) * M
 {chr(10).join(extra_bases)}
 offs_d = tl.arange(0, BLOCK_D)
-d_ok = offs_d < HEAD_DIM""".split("\n")
+d_ok = offs_d < HEAD_DIM""".split("\n") + (["seed = tl.load(SEED)  # dropout's, as the forward's"] if dropout else [])
 
     def dkdv_body(full: bool) -> list[str]:
         return [*q_tiles("start_m + tl.arange(0, BLOCK_M)", full), *scores(full),
-                f"dv += tl.dot(tl.trans(p.to({low})), do, input_precision=DOT_PRECISION)",
+                f"dv += tl.dot(tl.trans({'p_kept' if dropout else 'p'}.to({low})), do, input_precision=DOT_PRECISION)",
                 f"dk += tl.dot(tl.trans(ds.to({low})), q, input_precision=DOT_PRECISION)"]
 
     def dq_body(full: bool) -> list[str]:
@@ -154,8 +160,10 @@ d_ok = offs_d < HEAD_DIM""".split("\n")
         *loop("start_n", "nf_hi", "n_hi", "BLOCK_N", dq_body(False), "the diagonal's key blocks and the last past N: masked"),
         "tl.store(DQ + (bh.to(tl.int64) * M + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * scale, mask=q_ok)"]
     return f'''\
-# Generated by fuser.codegen.attention_bwd: FlashAttention-2 backward, {len(mod.lines)} score-mod line(s).
-# head_dim {head_dim} (padded to {block_d}), {dtype}, fp32 accumulation; P recomputed from Q, K and LSE.
+# Generated by fuser.codegen.attention_bwd: FlashAttention-2 backward, {len(mod.lines)} score-mod line(s){f", dropout {dropout} (its mask drawn again from SEED)" if dropout else ""}.
+# head_dim {head_dim} (padded to {block_d}), {dtype}, fp32 accumulation; P recomputed from Q, K and the
+# forward's row maximum and log-sum, kept apart: exp(s - m - log l) is 1/N on a row a finite fill masks whole,
+# as in eager, where exp(s - lse) with lse = -1e36 + log N (rounded to -1e36) would be 1.
 # HBM bytes: dK/dV read Q, dO (and LSE, delta) once per key block, K, V once, write dK, dV (fp32);
 # dQ reads K, V once per query block, Q, dO once, writes dQ (fp32).  No M x N matrix is stored.
 import triton
@@ -181,9 +189,10 @@ def attention_bwd_dq(
 '''
 
 
-def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: float = 1.0):
+def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: float = 1.0, seed=None):
     """Host side of the two launches: (dq, dk, dv buffers, delta, [(name, grid)], args, meta).  dout is
-    made contiguous like out; delta = rowsum(dO * O) in fp32 (FlashAttention-2's D)."""
+    made contiguous like out; delta = rowsum(dO * O) in fp32 (FlashAttention-2's D).  `seed`: the
+    forward's dropout seed, for kernels made with dropout."""
     B, Hq, M, D = q.shape
     N = k.shape[2]
     block_m, block_n, num_warps, num_stages = attention_bwd_plan(D, q.dtype, q.is_cuda)
@@ -202,7 +211,7 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
         e = e.expand(B, Hq, M, N)
         extra_args += [e, *e.stride()]
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    args = (q, k, v, dout, lse, delta, dq, dk, dv, *extra_args, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
+    args = (q, k, v, dout, lse, delta, dq, dk, dv, dq if seed is None else seed, *extra_args, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
             Hq, Hq // k.shape[1], M, N, float(scale))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32",
                 num_warps=num_warps, num_stages=num_stages)

@@ -114,10 +114,14 @@ def wrap(lm, how: str, backend: str, bucket_mb: float, device: torch.device):
 
 
 def train(model, ids, lr: float, steps: int, device: torch.device, world: int = 1):
-    """Each step's loss (averaged over the ranks where world > 1) and wall time (s)."""
+    """Each step's loss (averaged over the ranks where world > 1) and wall time (s), and on CUDA the
+    peak memory (MiB) of the first step (compiling, warming up) and of the steps after it."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, times = [], []
-    for _ in range(steps):
+    losses, times, first = [], [], None
+    for step in range(steps):
+        if device.type == "cuda" and step == 1:  # the first step compiles and warms up: its peak apart
+            first = torch.cuda.max_memory_allocated(device) / 2**20
+            torch.cuda.reset_peak_memory_stats(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -131,16 +135,19 @@ def train(model, ids, lr: float, steps: int, device: torch.device, world: int = 
             loss /= world
         losses.append(loss.item())  # waits for the step's kernels, on the GPU too
         times.append(time.perf_counter() - start)
-    return losses, times
+    later = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return losses, times, dict(first_step=first, later_steps=later) if later else None
 
 
 def fusion(reports) -> dict:
     """What fuser did on rank 0 (the JSON's "fusion"): graphs compiled (backward ones among them),
-    regions fused in the forward and backward graphs, graphs left to eager as a whole (why)."""
-    backward = [r for r in reports if any("backward" in n for n in r.notes)]
+    attention and losses claimed before autograd, regions fused in the forward and backward graphs,
+    graphs left to eager as a whole (why)."""
+    backward = [r for r in reports if "backward graph (from AOT Autograd)" in r.notes]
     forward = [r for r in reports if r not in backward]
     return dict(fused_graphs=len(reports), backward_graphs=len(backward),
                 fused_losses=sum("linear + cross-entropy claimed" in n for r in forward for n in r.notes),
+                fused_attention=sum("attention claimed before autograd" in n for r in forward for n in r.notes),
                 regions={"forward": sum(len(r.regions) for r in forward),
                          "backward": sum(len(r.regions) for r in backward)},
                 fallbacks=[f for r in reports for f in r.all_fallbacks])
@@ -163,12 +170,12 @@ def main(argv=None):
                         generator=torch.Generator().manual_seed(args.seed)).to(device)
 
     model = wrap(build(size, args.seed, device, dtype), args.wrap, args.backend, size["bucket_mb"], device)
-    losses, times = train(model, ids.chunk(world)[rank], size["lr"], args.steps, device, world)
+    losses, times, peak = train(model, ids.chunk(world)[rank], size["lr"], args.steps, device, world)
     peaks = [None] * world
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None)
+    dist.all_gather_object(peaks, peak)
     del model  # its memory, before rank 0's reference
     if rank == 0:
-        reference, _ = train(WithLoss(build(size, args.seed, device, dtype)), ids, size["lr"], args.steps, device)
+        reference, _, _ = train(WithLoss(build(size, args.seed, device, dtype)), ids, size["lr"], args.steps, device)
     dist.barrier()  # every rank leaves together
     dist.destroy_process_group()
     if rank != 0:

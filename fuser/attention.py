@@ -8,19 +8,25 @@ import torch
 
 from fuser.codegen.attention import ScoreMod
 
+from .dropout import new_seed
 from .pregrad import flash_attention_op, register_mod
 
 
-def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extras: tuple = (), return_lse: bool = False):
-    """``softmax(mod(q @ k^T * scale)) @ v`` in one kernel; returns ``out`` or ``(out, lse)``.
+def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extras: tuple = (), return_lse: bool = False,
+                    dropout: float = 0.0, seed: torch.Tensor | None = None):
+    """``dropout(softmax(mod(q @ k^T * scale))) @ v`` in one kernel; returns ``out`` or ``(out, lse)``.
 
     q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] with Hq % Hkv == 0; any strides.  ``extras`` are broadcastable to
     [B, Hq, M, N] and read in place.  Out: q's dtype, contiguous [B, Hq, M, D]; lse: fp32 [B, Hq, M].
     Differentiable in q, k and v (the backward kernels recompute the scores; the mod's `grad` lines
     give the score chain's derivative); extras get no gradient, and one that asks for it is an
-    error, not a silent zero.
+    error, not a silent zero.  `dropout`: fuser::dropout's mask on the probabilities (fuser/dropout.py)
+    from `seed` (a 0-d int64 tensor on q's device; None draws one), drawn again in the backward.
     """
     if torch.is_grad_enabled() and any(isinstance(e, torch.Tensor) and e.requires_grad for e in extras):
         raise NotImplementedError("flash_attention: no gradient for the score mod's extra tensors yet")
-    out, lse = flash_attention_op(q, k, v, list(extras), float(scale), register_mod(mod))
-    return (out, lse) if return_lse else out
+    if dropout and seed is None:
+        seed = new_seed(q.device)
+    out, stats = flash_attention_op(q, k, v, list(extras), float(scale), register_mod(mod), float(dropout),
+                                    [seed] if dropout else [])
+    return (out, stats[0] + stats[1]) if return_lse else out  # the row maximum plus the log of the row's sum

@@ -176,10 +176,14 @@ def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:
     data = _from_tensors(traced.graph)
     for a in find(traced.graph, cg):
         if any(e in data and e not in learned for e in a.extras):  # a learned bias: refused below, with its reason
-            notes.append("attention in training left to its ops: a mask or bias that is data (a padding mask, say) "
-                         "can mask a row's every key with a finite fill, where eager's probabilities are uniform; "
-                         "the backward of SDPA and of our kernel recompute them from a log-sum-exp that has lost "
-                         "them (-1e36 + log N rounds to -1e36)")
+            # A data mask (padding, say) can mask a row's every key with a finite fill, where eager's probabilities
+            # are uniform: SDPA's backward recomputes them from a log-sum-exp that lost them (-1e36 + log N rounds
+            # to -1e36); ours keeps the row maximum and the log of the row sum apart.
+            why = _claim_for_our_kernel(traced, a, cg, learned)
+            notes.append(f"attention in training left to its ops (a data mask or bias: not SDPA, whose backward loses "
+                         f"a row it masks whole; not our kernel: {why})" if why else
+                         "attention claimed before autograd (our kernel and its backward; not SDPA: a data mask or "
+                         "bias, and SDPA's backward loses a row it masks whole)")
             continue
         try:
             text, _ = sdpa.lower(traced, a, fixups)
@@ -241,8 +245,7 @@ def _claim_dropouts(traced: fx.GraphModule) -> list[str]:
         device = meta(x).device
         with graph.inserting_before(nodes[-1]):
             if device not in seeds:
-                seeds[device] = graph.call_function(aten.randint.low, (0, 1 << 62, []),
-                                                    {"dtype": torch.int64, "device": device})
+                seeds[device] = _draw_seed(graph, device)
             out = graph.call_function(dropout_op._opoverload, (x, seeds[device], float(p), sites * _SITE_STRIDE))
         n.replace_all_uses_with(out)
         for m in nodes:
@@ -251,6 +254,12 @@ def _claim_dropouts(traced: fx.GraphModule) -> list[str]:
         sites += 1
     return [f"dropout claimed before autograd: {sites} site(s) as fuser::dropout (seeded, fused into regions, "
             "no mask saved)"] if sites else []
+
+
+def _draw_seed(graph: fx.Graph, device) -> fx.Node:
+    """fuser/dropout.py's new_seed in the graph: a random op, so never folded or merged, and saved for
+    the backward, not drawn again there."""
+    return graph.call_function(aten.randint.low, (0, 1 << 62, []), {"dtype": torch.int64, "device": device})
 
 
 def _computed_from(graph: fx.Graph, inputs) -> set:
@@ -280,8 +289,8 @@ def _needing_grad(graph: fx.Graph, example_inputs) -> set:
 def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set) -> str | None:
     """Rewrites attention `a` as one `fuser::flash_attention` call; returns why not (the graph
     unchanged), or None.  `learned`: the nodes that need a gradient."""
-    if a.dropout or a.safe:
-        return "dropout on the probabilities" if a.dropout else "SDPA's math path (fully masked rows give 0)"
+    if a.safe:
+        return "SDPA's math path (fully masked rows give 0)"
     if any(meta(n).device != meta(a.q).device for n in a.inputs):
         return "operands on several devices"
     biases = [e.name for e in a.extras if e in learned]
@@ -300,8 +309,9 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set)
         return f"no derivative rule for an op of the score chain ({ops})"
     with gm.graph.inserting_before(a.out):
         extras = [_what_the_kernel_reads(gm.graph, e, mod.form(i)) for i, e in enumerate(a.extras)]
+        seeds = [_draw_seed(gm.graph, meta(a.q).device)] if a.dropout else []  # a seed per site: counters from 0
         call = gm.graph.call_function(torch.ops.fuser.flash_attention.default,
-                                      (a.q, a.k, a.v, extras, 1.0, register_mod(mod)))
+                                      (a.q, a.k, a.v, extras, 1.0, register_mod(mod), float(a.dropout), seeds))
         out = gm.graph.call_function(operator.getitem, (call, 0))
         if meta(a.out).dtype != meta(a.q).dtype:
             out = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (out, meta(a.out).dtype))
@@ -335,33 +345,50 @@ def register_mod(mod: ScoreMod) -> str:
 
 
 @functools.lru_cache(maxsize=128)
-def _source(make, mod: ScoreMod, head_dim: int, dtype, device_type: str) -> str:
+def _source(make, mod: ScoreMod, head_dim: int, dtype, device_type: str, dropout: float) -> str:
     with target(device_type):
-        return make(mod, head_dim, dtype)
+        return make(mod, head_dim, dtype, dropout)
+
+
+def _check_dropout(q: torch.Tensor, dropout: float, seeds: list[torch.Tensor]) -> torch.Tensor | None:
+    """The seed of dropout on the probabilities, or None without dropout.  The ops take it as a list of
+    zero or one tensors: torch.library's autograd glue mis-structures an optional tensor passed as None."""
+    torch._check(0.0 <= dropout <= 1.0, lambda: f"dropout probability has to be between 0 and 1, but got {dropout}")
+    torch._check(not dropout or (len(seeds) == 1 and seeds[0].dim() == 0 and seeds[0].dtype == torch.int64
+                                 and seeds[0].device == q.device),
+                 lambda: f"fuser::flash_attention: dropout needs one 0-d int64 seed on {q.device}")
+    return seeds[0] if dropout else None
 
 
 @torch.library.custom_op("fuser::flash_attention", mutates_args=())
 def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: list[torch.Tensor],
-                       scale: float, mod: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(mod(q @ k^T * scale)) @ v and its log-sum-exp, by our forward kernel."""
+                       scale: float, mod: str, dropout: float,
+                       seeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(mod(q @ k^T * scale)) @ v, and [2, B, H, M]: each row's maximum score and the log of its
+    sum of exponentials (kept apart for the backward; their sum is the log-sum-exp), by our forward kernel."""
+    seed = _check_dropout(q, dropout, seeds)
     m = _MODS[mod]
-    source = _source(attention_source, m, q.shape[-1], q.dtype, q.device.type)
-    return run_attention(source, prepare, q, k, v, tuple(extras), mod=m, scale=scale, return_lse=True)
+    source = _source(attention_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
+    return run_attention(source, prepare, q, k, v, tuple(extras), mod=m, scale=scale, return_lse=True, seed=seed)
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, extras, scale, mod):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _(q, k, v, extras, scale, mod, dropout, seeds):
+    _check_dropout(q, dropout, seeds)
+    return q.new_empty(q.shape), q.new_empty((2, *q.shape[:3]), dtype=torch.float32)
 
 
 @torch.library.custom_op("fuser::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor, extras: list[torch.Tensor], scale: float,
-                                mod: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                mod: str, dropout: float,
+                                seeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv by our backward kernels (dk, dv summed over the query heads of each K/V head)."""
+    seed = _check_dropout(q, dropout, seeds)
     m = _MODS[mod]
-    source = _source(attention_bwd_source, m, q.shape[-1], q.dtype, q.device.type)
-    dq, dk, dv, launches, args, meta_args = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m, scale=scale)
+    source = _source(attention_bwd_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
+    dq, dk, dv, launches, args, meta_args = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m, scale=scale,
+                                                        seed=seed)
     run_kernels(source, launches, args, meta_args, q.device.type)
     d, (b, hkv, n) = q.shape[-1], k.shape[:3]
     if q.shape[1] != hkv:  # per query head: summed over the heads sharing a K/V head
@@ -370,20 +397,21 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
 
 
 @flash_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, extras, scale, mod):
+def _(dout, q, k, v, out, lse, extras, scale, mod, dropout, seeds):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, extras, scale, mod = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], *extras)
-    ctx.scale, ctx.mod = scale, mod
+    q, k, v, extras, scale, mod, dropout, seeds = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], *seeds, *extras)  # the seed, never the dropout mask
+    ctx.scale, ctx.mod, ctx.dropout, ctx.n_seeds = scale, mod, dropout, len(seeds)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, *extras = ctx.saved_tensors
-    dq, dk, dv = flash_attention_backward_op(dout, q, k, v, out, lse, extras, ctx.scale, ctx.mod)
-    return dq, dk, dv, [None] * len(extras), None, None
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    seeds, extras = rest[:ctx.n_seeds], rest[ctx.n_seeds:]
+    dq, dk, dv = flash_attention_backward_op(dout, q, k, v, out, lse, extras, ctx.scale, ctx.mod, ctx.dropout, seeds)
+    return dq, dk, dv, [None] * len(extras), None, None, None, [None] * len(seeds)
 
 
 flash_attention_op.register_autograd(_backward, setup_context=_setup)

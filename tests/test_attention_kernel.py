@@ -15,6 +15,7 @@ import torch
 
 from fuser.attention import flash_attention
 from fuser.codegen.attention import ScoreMod, attention_source
+from fuser.dropout import dropout as fuser_dropout
 from fuser.runtime import load
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("FUSER_TEST_DEVICE") == "cuda" else "cpu"
@@ -36,8 +37,9 @@ def qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32):
     return rand(B, Hq, M, D, dtype=dtype), rand(B, Hkv, N, D, dtype=dtype), rand(B, Hkv, N, D, dtype=dtype)
 
 
-def reference(q, k, v, scale, mod=None, causal=False, offset=0, window=None):
-    """Eager attention in float64: ``mod(s, q_idx, k_idx)`` sees the scaled scores, as the kernel's lines do."""
+def reference(q, k, v, scale, mod=None, causal=False, offset=0, window=None, dropout=0.0, seed=None):
+    """Eager attention in float64: ``mod(s, q_idx, k_idx)`` sees the scaled scores, as the kernel's lines do;
+    dropout on the probabilities is fuser::dropout's, whose mask the kernel must draw too."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, 1)
     v = v.double().repeat_interleave(group, 1)
@@ -51,7 +53,10 @@ def reference(q, k, v, scale, mod=None, causal=False, offset=0, window=None):
         s = s.masked_fill(k_idx > q_idx + offset, NEG_INF)
     if window is not None:
         s = s.masked_fill(q_idx + offset - k_idx >= window, NEG_INF)
-    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1)
+    if dropout:
+        p = fuser_dropout(p, dropout, seed=seed)
+    return p @ v, torch.logsumexp(s, -1)
 
 
 def check(out, ref, dtype):
@@ -326,6 +331,55 @@ def test_backward_matches_eager_fp64(case, dtype):
         assert g.dtype == dtype
         tol = BWD_TOL[dtype] * w.abs().max().item()
         torch.testing.assert_close(g.double(), w, atol=tol, rtol=BWD_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_of_rows_a_finite_fill_masks_whole(dtype):
+    """Left padding under a causal mask, as Hugging Face builds it (finfo.min added to the scores): a pad
+    query sees no key at all, and eager's probabilities there are uniform (every score rounds to the same
+    fill), so its gradients are too.  The backward recomputes P from the row maximum and the log of the row
+    sum kept apart; from their sum, the log-sum-exp (-3.4e38 + log N rounds to -3.4e38), P would be 1."""
+    torch.manual_seed(21)
+    B, H, M, D = 2, 2, 29, 16
+    q, k, v = qkv(B, H, H, M, M, D, dtype)
+    pos = torch.arange(M, device=DEVICE)
+    pad = torch.tensor([0, 7], device=DEVICE)[:, None, None]
+    masked = (pos[None, None, :] < pad) | (pos[None, None, :] > pos[None, :, None])  # [B, M, N]
+    bias = (masked.float() * torch.finfo(torch.float32).min)[:, None]
+    w = rand(B, H, M, D)
+    mod = ScoreMod(("s = s + extra0",), n_extra=1, grad=("g = 1.0",))
+    got = _grads(lambda q, k, v: flash_attention(q, k, v, scale=0.3, mod=mod, extras=(bias,)), w, q, k, v)
+    want = _grads(lambda q, k, v: reference(q, k, v, 0.3, mod=lambda s, qi, ki: s + bias.double())[0], w,
+                  q.double(), k.double(), v.double())
+    assert want[0][1, :, :7].abs().amax() > 0.1  # the pad rows' own gradient is not zero in eager
+    for g, w in zip(got, want):
+        tol = BWD_TOL[dtype] * w.abs().max().item()
+        torch.testing.assert_close(g.double(), w, atol=tol, rtol=BWD_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [0.3, 1.0])
+def test_dropout_on_the_probabilities(dtype, p):
+    """Dropout inside the kernel draws fuser::dropout's mask for the [B, Hq, M, N] probabilities (the same
+    Philox counters), in the forward and again in the backward: output and gradients equal fp64 attention
+    with fuser::dropout applied to its probabilities.  GQA, causal, odd sizes, a padded head dim; p = 1
+    drops everything (zeros, as eager).  Another seed gives another mask."""
+    torch.manual_seed(22)
+    q, k, v = qkv(2, 4, 2, 37, 37, 24, dtype)
+    seed = torch.tensor(1234567, dtype=torch.int64, device=DEVICE)
+    mod, structure = ScoreMod((), causal=True), dict(causal=True)
+    w = rand(2, 4, 37, 24)
+    run = lambda q, k, v: flash_attention(q, k, v, scale=0.3, mod=mod, dropout=p, seed=seed)  # noqa: E731
+    ref = lambda q, k, v: reference(q, k, v, 0.3, dropout=p, seed=seed, **structure)[0]  # noqa: E731
+    check(run(q, k, v), ref(q, k, v), dtype)
+    got = _grads(run, w, q, k, v)
+    want = _grads(ref, w, q.double(), k.double(), v.double())
+    for g, w_ in zip(got, want):
+        tol = BWD_TOL[dtype] * w_.abs().max().item()
+        torch.testing.assert_close(g.double(), w_, atol=tol, rtol=BWD_TOL[dtype])
+    if p < 1:
+        other = flash_attention(q, k, v, scale=0.3, mod=mod, dropout=p, seed=seed + 1)
+        assert (other.double() - run(q, k, v).double()).abs().max() > 0.1
 
 
 def test_backward_refuses_what_it_cannot_differentiate():

@@ -80,7 +80,9 @@ def test_embedding_is_a_gather_in_the_region_that_reads_it(dtype, device):
     assert all(r.fallback is None for r in fused.reports), [r.fallback for r in fused.reports]
     assert not [u for u in fused.report.unfused if "embedding" in u.op]
     got, want = _grads(lambda w: F.layer_norm(F.embedding(ids, w) * 2, (24,)), (211, 24), device=device, dtype=dtype)
-    assert_close_to_eager(got, want)
+    # a table row's gradient sums the gradients of its repeats, each rounded to dtype where the program
+    # casts (the norm's backward output) and the fp64 reference does not: one rounding per repeat
+    assert_close_to_eager(got, want, scale=torch.bincount(ids.flatten()).max().item())
     if device == "cpu":  # on CUDA an out-of-range index is a device-side assert, fatal to the process
         bad = ids.clone()
         bad[1, 5] = 211

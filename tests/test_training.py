@@ -10,6 +10,7 @@ import torch
 
 import fuser
 from fuser.backend import GraphRunner, ReleasingRunner
+from fuser.dropout import dropout as fuser_dropout
 from fuser.report import FusionReport
 from tolerances import tol
 
@@ -196,6 +197,44 @@ def test_attention_dropout_in_training(device):
     assert any("dropout_p=0.25" in n for n in _claims(fused)), _claims(fused)
 
 
+def test_padded_attention_with_dropout_runs_our_kernel_with_eagers_masks(device, monkeypatch):
+    """BERT fine-tuning as users run it: a padding mask (data: not SDPA, whose backward loses a row it
+    masks whole) and dropout on the probabilities: claimed as our kernel with its dropout, the mask drawn
+    from a seed per attention.  Exact check: the eager twin's attention dropout is replaced by
+    fuser::dropout (fuser/dropout.py), which draws its seed the way the claimed graph does (one per
+    layer, in order, from torch's generator) and numbers the probabilities as the kernel does; so from
+    the same torch.manual_seed both drop the same elements, and outputs and gradients match."""
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=101, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.2, attn_implementation="eager")).to(device)
+    model.train()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 101, (3, 19), device=device)
+    mask = torch.ones(3, 19, dtype=torch.long, device=device)
+    mask[1, 11:] = 0
+    mask[2, 5:] = 0
+    fused = fuser.fuse(lambda ids, mask: model(input_ids=ids, attention_mask=mask).last_hidden_state)
+    w = torch.randn(3, 19, 48, device=device)
+    torch.manual_seed(5)
+    out = fused(ids, mask)
+    (out * w).sum().backward()
+    original = torch.nn.functional.dropout
+    monkeypatch.setattr(torch.nn.functional, "dropout", lambda x, p=0.5, training=True, inplace=False:
+                        fuser_dropout(x, p) if training and p else original(x, p, training, inplace))
+    torch.manual_seed(5)
+    ref = twin(input_ids=ids, attention_mask=mask).last_hidden_state
+    (ref * w).sum().backward()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    for (n, a), (_, b) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-4, msg=n)
+    notes = _claims(fused)
+    assert sum("attention claimed before autograd (our kernel" in n for n in notes) == 2, notes  # one a layer
+    monkeypatch.undo()
+    torch.manual_seed(6)
+    assert not torch.allclose(fused(ids, mask), out)  # another seed, another mask
+
+
 def test_bloom_attention_in_training_is_left_with_its_reason(device):
     """BLOOM's GELU is a custom autograd.Function, which the claim's trace before autograd cannot keep
     (its backward need not be its forward's gradient): the attention is left to its ops, the notes
@@ -375,10 +414,11 @@ def test_backward_writes_over_donated_activations(device):
 def test_left_padding_in_training_keeps_eagers_gradients(case, device):
     """Left padding in a causal LM: a pad row's query sees no key.  Eager's probabilities there are
     uniform (Hugging Face's finite fill) or 0 (SDPA's math path, _safe_softmax), and their gradients
-    flow back (the labels' shift reads the last pad row).  SDPA's backward and our kernel's recompute
-    those probabilities from a log-sum-exp that lost them, and the trace's decomposed _safe_softmax
-    backward gives NaN: so a data mask keeps its attention with its ops in training, and a math
-    path the trace could not claim back is traced again whole.  Gradients: eager's."""
+    flow back (the labels' shift reads the last pad row).  SDPA's backward recomputes those
+    probabilities from a log-sum-exp that lost them (so a data mask goes to our kernel, which keeps the
+    row maximum and the log of the row sum apart), and the trace's decomposed _safe_softmax backward
+    gives NaN (so a math path the trace could not claim back is traced again whole, left to its ops).
+    Gradients: eager's."""
     torch.manual_seed(0)
     if case == "llama_eager":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -400,4 +440,7 @@ def test_left_padding_in_training_keeps_eagers_gradients(case, device):
         assert not p.grad.isnan().any(), n
         torch.testing.assert_close(p.grad, q.grad, atol=2e-4, rtol=2e-4, msg=n)
     notes = [n for r in fused.reports for n in r.notes]
-    assert any("left to its ops" in n for n in notes), notes
+    if case == "llama_eager":
+        assert any("attention claimed before autograd (our kernel" in n for n in notes), notes
+    else:
+        assert any("left to its ops" in n for n in notes), notes
