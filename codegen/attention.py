@@ -101,6 +101,12 @@ class ScoreMod:
     helpers: tuple[str, ...] = ()  # sources of @triton.jit functions the lines call
     forms: tuple = ()  # per extra: IndexMask / LinearBias (computed from the indices), or None (loaded)
     grad: tuple[str, ...] | None = None  # lines setting g = d(final s)/d(scaled s), for the backward; None: none
+    # (i, kind): loaded extra i is a mask the chain applies last (only casts after it), so a tile where it
+    # masks every score contributes nothing and a tile where it masks none is the chain without it.
+    # kind "add": s + extra, masked at <= DEAD_FILL, kept at 0; "keep": where(extra, s, fill <= DEAD_FILL);
+    # "drop": where(extra, fill, s) or masked_fill(s, extra, fill).  Its tiles are classed per call
+    # (`block_lists`) and the kernel walks the lists: masked tiles skipped, kept ones run without it.
+    data_mask: tuple[int, str, torch.dtype] | None = None  # (i, kind, the extra's dtype)
 
     def form(self, i: int):
         return self.forms[i] if i < len(self.forms) else None
@@ -115,6 +121,55 @@ def _indent(lines, n: int) -> str:
     return "\n".join(" " * n + line for line in lines)
 
 
+# a mask value at or below this leaves exp(s + mask - m) = 0 in fp32 for any finite score s and row maximum
+# m of a row that keeps some key (finfo(bfloat16 or float32).min, -1e36 and -inf all are)
+DEAD_FILL = -1e30
+_NEUTRAL = {"add": 0, "keep": 1, "drop": 0}  # the data mask's value on a tile it keeps whole
+
+
+def block_lists(extra: torch.Tensor, kind: str, M: int, N: int, block_m: int, block_n: int,
+                by_keys: bool = False) -> torch.Tensor:
+    """The tiles of a data mask (`ScoreMod.data_mask`), as lists the kernels walk: [Be, He, T, 2, 1 + U]
+    int32 for the mask's own batch and head dims (1 where it broadcasts); per query block (per key block
+    with `by_keys`, for the backward's dK/dV), [0] = count and indices of the tiles it keeps whole (inside
+    M and N), [1] = those it keeps in part.  A tile it masks whole is on neither list, unless its query block
+    holds a row masked whole (eager's uniform row: every tile of that block stays).  A pass over the mask
+    per call, with torch ops (a cache on the tensor is a later step)."""
+    e = extra.reshape((1,) * (4 - extra.dim()) + tuple(extra.shape))
+    be, he = e.shape[:2]
+    e = e.expand(be, he, M, N)
+    if kind == "add":
+        dead, kept = e <= DEAD_FILL, e == 0
+    else:
+        dead, kept = (~e, e) if kind == "keep" else (e, ~e)
+    tm, tn = cdiv(M, block_m), cdiv(N, block_n)
+
+    def tiles(x, past: bool):  # [be, he, M, N] -> per tile: all of x, positions past M or N counting as `past`
+        padded = x.new_full((be, he, tm * block_m, tn * block_n), past)
+        padded[..., :M, :N] = x
+        return padded.view(be, he, tm, block_m, tn, block_n).all(5).all(3)
+
+    rows_dead = x = dead.all(-1)  # [be, he, M]
+    x = x.new_zeros((be, he, tm * block_m))
+    x[..., :M] = rows_dead
+    # a tile past M or N is never kept whole (its loads need bounds), but may be skipped
+    cls = torch.where(tiles(kept, False), 1,
+                      torch.where(tiles(dead, True) & ~x.view(be, he, tm, block_m).any(-1)[..., None], 0, 2))
+    if by_keys:
+        cls = cls.transpose(-1, -2)
+    lists = [torch.cat([(cls == c).sum(-1, keepdim=True), torch.argsort((cls != c).to(torch.int8), dim=-1, stable=True)], -1)
+             for c in (1, 2)]
+    return torch.stack(lists, -2).to(torch.int32).contiguous()
+
+
+def over_tiles(var: str, block: str, lo: str, hi: str, listed: str | None) -> list[str]:
+    """The header of a loop over tiles: `var` from lo to hi by `block`, or over the list at `blk + listed`
+    (`block_lists`: its count, then the tile indices)."""
+    if listed is None:
+        return [f"for {var} in range({lo}, {hi}, {block}):"]
+    return [f"for i in range(0, tl.load(blk + {listed})):", f"    {var} = tl.load(blk + {listed} + 1 + i) * {block}"]
+
+
 def _extra_lines(mod: ScoreMod, full: bool) -> list[str]:
     """The extras of one tile.  In a full tile (every key visible under the kernel's structure) a
     structural mask of that same structure keeps everything: a constant the compiler folds away."""
@@ -126,6 +181,10 @@ def _extra_lines(mod: ScoreMod, full: bool) -> list[str]:
             kept = 0 if form.masks or form.dtype != torch.bool else 1
             dt = "tl.int1" if form.dtype == torch.bool else _TL_DTYPE[form.dtype]
             lines.append(f"extra{i} = tl.full([BLOCK_M, BLOCK_N], {kept}, {dt})  # the structural mask keeps this tile")
+        elif full and mod.data_mask and mod.data_mask[0] == i:
+            _, kind, dtype = mod.data_mask
+            dt = "tl.int1" if dtype == torch.bool else _TL_DTYPE[dtype]
+            lines.append(f"extra{i} = tl.full([1, 1], {_NEUTRAL[kind]}, {dt})  # the data mask keeps this tile whole: not loaded")
         elif isinstance(form, IndexMask):
             lines.append(f"extra{i} = {form.expression()}  # a structural mask, from the indices")
         elif isinstance(form, LinearBias):
@@ -186,9 +245,10 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0.0) 
     if mod.window is not None:
         keep.append(f"({qpos} - k_idx < {mod.window})")
 
-    def loop(lo: str, hi: str, full: bool, what: str) -> str:
-        """One loop over key tiles.  Full tiles lie inside N and inside the structure: no bounds and
-        no mask at all (the unmasked loads vectorise); the others mask as the structure says."""
+    def loop(lo: str, hi: str, full: bool, what: str, listed: str | None = None) -> str:
+        """One loop over key tiles, [lo, hi) or the data mask's list at `blk + listed`.  Full tiles lie
+        inside N and inside the structure (or the data mask keeps them whole): no bounds and no mask at all
+        (the unmasked loads vectorise); the others mask as the structure says."""
         d_k = "d_ok[:, None]" if d_pad else None
         d_v = "d_ok[None, :]" if d_pad else None
         k_mask = d_k if full else " & ".join(x for x in (d_k, "k_ok") if x)
@@ -212,7 +272,7 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0.0) 
             f"acc = tl.dot(p.to({p_dtype}), v, acc * alpha[:, None], input_precision=DOT_PRECISION)",
             "m_i = m_new",
         ]
-        return f"    # {what}\n    for start_n in range({lo}, {hi}, BLOCK_N):\n{_indent(body, 8)}\n"
+        return f"    # {what}\n{_indent(over_tiles('start_n', 'BLOCK_N', lo, hi, listed), 4)}\n{_indent(body, 8)}\n"
 
     # Key ranges: [lo, hi) is what any row of this query block may see (the rest is skipped);
     # inside it, [lo_full, hi_full) are the tiles every row sees whole, run without masks.
@@ -233,12 +293,16 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0.0) 
     loops = (loop("lo", "lo_full", False, "tiles before the window's full ones: masked") if mod.window is not None else "")
     loops += loop("lo_full", "hi_full", True, "full tiles: no mask")
     loops += loop("hi_full", "hi", False, "the diagonal's tiles, and the last one past N: masked")
+    if mod.data_mask:  # the tiles the data mask keeps (whole, then in part), listed per call; the rest skipped
+        ranges = ["blk = BLOCKS + b64 * blk_sb + h64 * blk_sh + start_m * blk_st  # this query block's lists"]
+        loops = (loop("", "", True, "tiles the data mask keeps whole: no mask, not loaded", listed="0")
+                 + loop("", "", False, "tiles it keeps in part, and those past N: masked", listed="blk_sk"))
     # causal: the query blocks with the most keys start first, so the last wave is of short ones
     start_m = ("tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows first" if mod.causal
                else "tl.program_id(0)")
 
     extra_params = "".join(f"extra{i}_ptr, extra{i}_s0, extra{i}_s1, extra{i}_s2, extra{i}_s3,\n    "
-                           for i in range(mod.n_extra))
+                           for i in range(mod.n_extra)) + ("BLOCKS, blk_sb, blk_sh, blk_st, blk_sk,\n    " if mod.data_mask else "")
     extra_bases = [f"extra{i}_base = extra{i}_ptr + b64 * extra{i}_s0 + h64 * extra{i}_s1"
                    for i in range(mod.n_extra)]
     extra_bases += [mod.form(i).setup(i) for i in range(mod.n_extra) if isinstance(mod.form(i), LinearBias)]
@@ -327,6 +391,23 @@ def attention_fwd(
 '''
 
 
+def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m: int, block_n: int,
+                by_keys: bool = False) -> list:
+    """Each extra with its [B, Hq, M, N] strides (0 where it broadcasts); then, with a data mask, its tile
+    lists (`block_lists`) per query block and, with `by_keys` (the backward's blocks), per key block."""
+    args = []
+    for e in extras:
+        e = e.expand(B, Hq, M, N)
+        args += [e, *e.stride()]
+    if mod.data_mask:
+        i, kind, _ = mod.data_mask
+        for keys in (False, True) if by_keys else (False,):
+            blocks = block_lists(extras[i], kind, M, N, block_m, block_n, by_keys=keys)
+            blocks = blocks.expand(B, Hq, *blocks.shape[2:])
+            args += [blocks, *blocks.stride()[:4]]
+    return args
+
+
 def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse: bool = False, seed=None):
     """Host side of one launch of ``attention_source(mod, D, dtype)``: checks the operands, allocates the output
     (and the row statistics) and gives ``(out, lse, grid, args, meta)``; the runtime loads the kernel and launches it.
@@ -350,10 +431,7 @@ def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     out = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((2, B, Hq, M) if return_lse else (0,), dtype=torch.float32, device=q.device)
-    extra_args = []
-    for e in extras:
-        e = e.expand(B, Hq, M, N)
-        extra_args += [e, *e.stride()]
+    extra_args = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n)
     grid = (cdiv(M, block_m), B * Hq)
     args = (q, k, v, out, lse, out if seed is None else seed, *extra_args, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             Hq, Hq // Hkv, M, N, float(scale))

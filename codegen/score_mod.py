@@ -15,7 +15,7 @@ import torch.fx as fx
 from fuser import ops
 from fuser.graph import meta, packet
 
-from .attention import ScoreMod
+from .attention import _TL_DTYPE, DEAD_FILL, ScoreMod
 from .kernel import lower_pointwise
 
 aten = torch.ops.aten
@@ -59,7 +59,45 @@ def score_mod(scores, chain: list, extras: list, cg, structure: tuple | None = N
     used = tuple(ops.helpers_for(text))
     offset, window = structure or (0, None)
     return ScoreMod(tuple(lines), n_extra=len(extras), helpers=used, causal=structure is not None,
-                    causal_offset=offset, window=window, forms=tuple(forms), grad=_gradient(scores, chain, names))
+                    causal_offset=offset, window=window, forms=tuple(forms), grad=_gradient(scores, chain, names),
+                    data_mask=None if structure else _data_mask(scores, chain, extras, forms))
+
+
+def _dead(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x <= DEAD_FILL
+
+
+def _data_mask(scores, chain: list, extras: list, forms) -> tuple | None:
+    """ScoreMod.data_mask: a loaded extra that only the chain's last op on the scores reads (casts may
+    follow), as an additive mask (s + e) or a boolean one (where / masked_fill with a fill <= DEAD_FILL);
+    else None.  (Without a structure only: a structural mask already skips its tiles.)"""
+    path, found = {scores}, None
+    for n in chain:
+        if not any(a in path for a in n.all_input_nodes):
+            continue
+        path.add(n)
+        if found is not None:
+            if packet(n) not in _ONE:
+                return None  # an op after the mask (soft-capping, say): a masked tile is not zero there
+            continue
+        loaded = [i for i, e in enumerate(extras) if e in n.all_input_nodes and (i >= len(forms) or forms[i] is None)]
+        if len(loaded) != 1:
+            continue
+        i = loaded[0]
+        e, op, args = extras[i], packet(n), n.args
+        dtype = meta(e).dtype
+        if any(e in m.all_input_nodes for m in chain if m is not n) or (dtype not in _TL_DTYPE and dtype != torch.bool):
+            return None
+        if op is aten.add and dtype != torch.bool and n.kwargs.get("alpha", 1) == 1 and len(args) == 2:
+            found = (i, "add", dtype)
+        elif op is aten.where and dtype == torch.bool and args[0] is e and len(args) == 3:
+            found = (i, "keep", dtype) if args[1] in path and _dead(args[2]) else \
+                    (i, "drop", dtype) if args[2] in path and _dead(args[1]) else None
+        elif op is aten.masked_fill and dtype == torch.bool and args[1] is e and args[0] in path and _dead(args[2]):
+            found = (i, "drop", dtype)
+        if found is None:
+            return None
+    return found
 
 
 _ONE = {aten._to_copy, aten.clone, aten.alias, torch.ops.prims.convert_element_type}  # d/dx = 1 (a cast passes

@@ -179,20 +179,20 @@ def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:
             # A data mask (padding, say) can mask a row's every key with a finite fill, where eager's probabilities
             # are uniform: SDPA's backward recomputes them from a log-sum-exp that lost them (-1e36 + log N rounds
             # to -1e36); ours keeps the row maximum and the log of the row sum apart.
-            why = _claim_for_our_kernel(traced, a, cg, learned)
+            why, how = _claim_for_our_kernel(traced, a, cg, learned)
             notes.append(f"attention in training left to its ops (a data mask or bias: not SDPA, whose backward loses "
                          f"a row it masks whole; not our kernel: {why})" if why else
                          "attention claimed before autograd (our kernel and its backward; not SDPA: a data mask or "
-                         "bias, and SDPA's backward loses a row it masks whole)")
+                         f"bias, and SDPA's backward loses a row it masks whole){how}")
             continue
         try:
             text, _ = sdpa.lower(traced, a, fixups)
         except sdpa.NotExpressible as e:
-            why = _claim_for_our_kernel(traced, a, cg, learned)
+            why, how = _claim_for_our_kernel(traced, a, cg, learned)
             if why:
                 notes.append(f"attention in training left to its ops (not SDPA: {e}; not our kernel: {why})")
             else:
-                notes.append(f"attention claimed before autograd (our kernel and its backward; not SDPA: {e})")
+                notes.append(f"attention claimed before autograd (our kernel and its backward; not SDPA: {e}){how}")
             continue
         notes.append(f"attention claimed before autograd (SDPA computes it and its gradient): {text}")
     return notes
@@ -286,27 +286,27 @@ def _needing_grad(graph: fx.Graph, example_inputs) -> set:
                                   if isinstance(x, torch.Tensor) and x.requires_grad])
 
 
-def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set) -> str | None:
-    """Rewrites attention `a` as one `fuser::flash_attention` call; returns why not (the graph
-    unchanged), or None.  `learned`: the nodes that need a gradient."""
+def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set) -> tuple[str | None, str]:
+    """Rewrites attention `a` as one `fuser::flash_attention` call; returns (why not, with the graph
+    unchanged, or None; what the note adds).  `learned`: the nodes that need a gradient."""
     if a.safe:
-        return "SDPA's math path (fully masked rows give 0)"
+        return "SDPA's math path (fully masked rows give 0)", ""
     if any(meta(n).device != meta(a.q).device for n in a.inputs):
-        return "operands on several devices"
+        return "operands on several devices", ""
     biases = [e.name for e in a.extras if e in learned]
     if biases:
-        return f"the score chain reads {', '.join(biases)}, which needs a gradient (a learned bias: not written yet)"
+        return f"the score chain reads {', '.join(biases)}, which needs a gradient (a learned bias: not written yet)", ""
     dtype, head_dim = meta(a.q).dtype, meta(a.q).shape[-1]
     if dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (isinstance(head_dim, int) and head_dim <= 256):
-        return f"{dtype} q with head dim {head_dim} (the kernel takes 16- and 32-bit floats, head dims up to 256)"
+        return f"{dtype} q with head dim {head_dim} (the kernel takes 16- and 32-bit floats, head dims up to 256)", ""
     try:
         with target(meta(a.q).device.type):
             mod = score_mod(a.scores, a.chain, a.extras, cg, mask_structure(a, cg), extra_forms(a))
     except ValueError as e:
-        return str(e)
+        return str(e), ""
     if mod.grad is None:
         ops = ", ".join(str(n.target) for n in a.chain)
-        return f"no derivative rule for an op of the score chain ({ops})"
+        return f"no derivative rule for an op of the score chain ({ops})", ""
     with gm.graph.inserting_before(a.out):
         extras = [_what_the_kernel_reads(gm.graph, e, mod.form(i)) for i, e in enumerate(a.extras)]
         seeds = [_draw_seed(gm.graph, meta(a.q).device)] if a.dropout else []  # a seed per site: counters from 0
@@ -319,7 +319,8 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set)
     for n in reversed(a.nodes):
         if not n.users:
             gm.graph.erase_node(n)
-    return None
+    kind = mod.data_mask and str(mod.data_mask[2]).removeprefix("torch.")
+    return None, f"; the tiles its {kind} mask masks whole skipped, listed per call" if kind else ""
 
 
 def _what_the_kernel_reads(graph: fx.Graph, e: fx.Node, form) -> fx.Node:

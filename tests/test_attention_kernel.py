@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fuser.attention import flash_attention
-from fuser.codegen.attention import ScoreMod, attention_source
+from fuser.codegen.attention import ScoreMod, attention_source, block_lists
 from fuser.dropout import dropout as fuser_dropout
 from fuser.runtime import load
 
@@ -380,6 +380,74 @@ def test_dropout_on_the_probabilities(dtype, p):
     if p < 1:
         other = flash_attention(q, k, v, scale=0.3, mod=mod, dropout=p, seed=seed + 1)
         assert (other.double() - run(q, k, v).double()).abs().max() > 0.1
+
+
+def _listed(blocks, row, which):
+    """The tile indices on list `which` (0: kept whole, 1: kept in part) of one row of `block_lists`."""
+    n = blocks[row][which][0].item()
+    return sorted(blocks[row][which][1:1 + n].tolist())
+
+
+def test_data_mask_tile_lists():
+    """A causal mask held as data, 64 x 64 in 16 x 16 tiles: query block m keeps key tiles 0..m-1 whole, the
+    diagonal in part and skips the rest; by keys (dK/dV), key block n is seen whole by query blocks past n.
+    A query block holding a row the mask hides whole (left padding) skips nothing: eager's row is uniform.
+    Tiles past M or N are never kept whole.  A key padding mask broadcasts over heads and rows."""
+    pos = torch.arange(64, device=DEVICE)
+    causal = (pos[None, :] > pos[:, None]).float() * torch.finfo(torch.float32).min
+    blocks = block_lists(causal, "add", 64, 64, 16, 16)[0, 0]
+    by_keys = block_lists(causal, "add", 64, 64, 16, 16, by_keys=True)[0, 0]
+    for t in range(4):
+        assert _listed(blocks, t, 0) == list(range(t)) and _listed(blocks, t, 1) == [t]
+        assert _listed(by_keys, t, 0) == list(range(t + 1, 4)) and _listed(by_keys, t, 1) == [t]
+    padded = causal.clone()
+    padded[:, :20] = torch.finfo(torch.float32).min  # rows 0..19 see no key
+    blocks = block_lists(padded, "add", 64, 64, 16, 16)[0, 0]
+    assert _listed(blocks, 0, 1) == _listed(blocks, 1, 1) == [0, 1, 2, 3]  # blocks with a hidden row skip nothing
+    assert _listed(blocks, 2, 0) == [] and _listed(blocks, 2, 1) == [1, 2]  # keys 0..19 hidden: tile 0 skipped
+    keep = torch.ones(2, 1, 1, 45, dtype=torch.bool, device=DEVICE)
+    keep[1, ..., 30:] = False
+    blocks = block_lists(keep, "keep", 37, 45, 16, 16)
+    assert blocks.shape[:2] == (2, 1)
+    assert _listed(blocks[0, 0], 0, 0) == [0, 1] and _listed(blocks[0, 0], 0, 1) == [2]  # tile 2 crosses N
+    assert _listed(blocks[0, 0], 2, 0) == [] and _listed(blocks[0, 0], 2, 1) == [0, 1, 2]  # block 2 crosses M
+    assert _listed(blocks[1, 0], 0, 0) == [0] and _listed(blocks[1, 0], 0, 1) == [1]  # keys 32.. skipped
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["add", "keep", "drop"])
+def test_data_mask_skips_tiles_forward_and_backward(dtype, kind):
+    """A mask held as data (causal with left padding, or a key padding mask), applied last: the kernels walk
+    its tile lists.  Output and gradients match fp64 eager, fully hidden rows included (finite fills); NaN
+    planted in keys no query may see never reaches them (their tiles are skipped, not loaded)."""
+    torch.manual_seed(23)
+    B, H, M, D = 2, 2, 45, 16
+    q, k, v = qkv(B, H, H, M, M, D, dtype)
+    pos = torch.arange(M, device=DEVICE)
+    hidden = (pos[None, None, :] < torch.tensor([0, 20], device=DEVICE)[:, None, None]) | (pos[None, None, :] > pos[None, :, None])
+    hidden[0, :, 32:] = True  # sample 0: keys 32.. padded away for every query
+    hidden = hidden[:, None]
+    fill = torch.finfo(torch.float32).min
+    extra, lines, grad, ref_mod = {
+        "add": (hidden.float() * fill, "s = s + extra0", "g = 1.0", lambda s, qi, ki: s + (hidden.double() * fill)),
+        "keep": (~hidden, f"s = tl.where(extra0, s, {fill!r})", "g = tl.where(extra0, 1.0, 0.0)",
+                 lambda s, qi, ki: s.masked_fill(hidden, fill)),
+        "drop": (hidden, f"s = tl.where(extra0, {fill!r}, s)", "g = tl.where(extra0, 0.0, 1.0)",
+                 lambda s, qi, ki: s.masked_fill(hidden, fill))}[kind]
+    mod = ScoreMod((lines,), n_extra=1, grad=(grad,), data_mask=(0, kind, extra.dtype))
+    k[0, :, 32:], v[0, :, 32:] = float("nan"), float("nan")
+    w = rand(B, H, M, D)
+    clean = lambda x: torch.where(torch.isnan(x), 0.0, x)  # noqa: E731  the reference never reads them either
+    check(flash_attention(q, k, v, scale=0.3, mod=mod, extras=(extra,)),
+          reference(q, clean(k), clean(v), 0.3, mod=ref_mod)[0], dtype)
+    got = _grads(lambda q, k, v: flash_attention(q, k, v, scale=0.3, mod=mod, extras=(extra,)), w, q, k, v)
+    want = _grads(lambda q, k, v: reference(q, clean(k), clean(v), 0.3, mod=ref_mod)[0], w, q.double(), k.double(),
+                  v.double())
+    # hidden rows pass a gradient to q through an add (not through masked_fill); hidden keys get none
+    assert (want[0][1, :, :20].abs().amax() > 0.1) == (kind == "add") and (want[1][0, :, 32:] == 0).all()
+    for g, w_ in zip(got, want):
+        tol = BWD_TOL[dtype] * w_.abs().max().item()
+        torch.testing.assert_close(g.double(), w_, atol=tol, rtol=BWD_TOL[dtype])
 
 
 def test_backward_refuses_what_it_cannot_differentiate():
