@@ -105,7 +105,7 @@ class ScoreMod:
     # masks every score contributes nothing and a tile where it masks none is the chain without it.
     # kind "add": s + extra, masked at <= DEAD_FILL, kept at 0; "keep": where(extra, s, fill <= DEAD_FILL);
     # "drop": where(extra, fill, s) or masked_fill(s, extra, fill).  Its tiles are classed per call
-    # (`block_lists`) and the kernel walks the lists: masked tiles skipped, kept ones run without it.
+    # (`list_launches`) and the kernel walks the lists: masked tiles skipped, kept ones run without it.
     data_mask: tuple[int, str, torch.dtype] | None = None  # (i, kind, the extra's dtype)
 
     def form(self, i: int):
@@ -127,44 +127,110 @@ DEAD_FILL = -1e30
 _NEUTRAL = {"add": 0, "keep": 1, "drop": 0}  # the data mask's value on a tile it keeps whole
 
 
-def block_lists(extra: torch.Tensor, kind: str, M: int, N: int, block_m: int, block_n: int,
-                by_keys: bool = False) -> torch.Tensor:
-    """The tiles of a data mask (`ScoreMod.data_mask`), as lists the kernels walk: [Be, He, T, 2, 1 + U]
-    int32 for the mask's own batch and head dims (1 where it broadcasts); per query block (per key block
-    with `by_keys`, for the backward's dK/dV), [0] = count and indices of the tiles it keeps whole (inside
-    M and N), [1] = those it keeps in part.  A tile it masks whole is on neither list, unless its query block
-    holds a row masked whole (eager's uniform row: every tile of that block stays).  A pass over the mask
-    per call, with torch ops (a cache on the tensor is a later step)."""
+# The data mask's tiles as lists (`ScoreMod.data_mask`): two small kernels per list set, launched before
+# the attention kernel (`list_launches`).  `hidden_rows`: per query block, whether a row there sees no key
+# at all (eager's uniform row: that block skips nothing).  `tile_lists`: per query block (per key block
+# with BY_KEYS, for the backward's dK/dV), each tile classed and appended to one of two lists,
+# [0] = count, then the indices of the tiles the mask keeps whole (inside M and N), [1] = those it keeps
+# in part; a tile it masks whole is on neither.  HBM bytes: the mask is read once by each kernel.
+BLOCK_LISTS_SOURCE = f"""\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _classes(x, KIND: tl.constexpr):
+    # (masked, kept) per element: KIND 0 additive (masked at <= {DEAD_FILL!r}, kept at 0), 1 boolean keep, 2 boolean drop
+    x = x.to(tl.float32)
+    if KIND == 0:
+        return x <= {DEAD_FILL!r}, x == 0.0
+    elif KIND == 1:
+        return x == 0.0, x != 0.0
+    else:
+        return x != 0.0, x == 0.0
+
+
+@triton.jit
+def hidden_rows(E, e_sb, e_sh, e_sm, e_sn, HIDDEN, H, M, N, T_M,
+                KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m = tl.program_id(0)
+    bh = tl.program_id(1)
+    base = E + (bh // H).to(tl.int64) * e_sb + (bh % H).to(tl.int64) * e_sh
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    seen = tl.zeros([BLOCK_M], tl.int32)
+    for n in range(0, N, BLOCK_N):
+        cols = n + tl.arange(0, BLOCK_N)
+        ok = (rows[:, None] < M) & (cols[None, :] < N)
+        masked, _ = _classes(tl.load(base + rows[:, None] * e_sm + cols[None, :] * e_sn, mask=ok, other=0), KIND)
+        seen = tl.maximum(seen, tl.max((ok & (masked == 0)).to(tl.int32), 1))
+    tl.store(HIDDEN + bh.to(tl.int64) * T_M + m, tl.max(((rows < M) & (seen == 0)).to(tl.int32), 0))
+
+
+@triton.jit
+def tile_lists(E, e_sb, e_sh, e_sm, e_sn, HIDDEN, OUT, H, M, N, T_M, T_INNER,
+               KIND: tl.constexpr, BY_KEYS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    o = tl.program_id(0)
+    bh = tl.program_id(1)
+    base = E + (bh // H).to(tl.int64) * e_sb + (bh % H).to(tl.int64) * e_sh
+    out = OUT + (bh.to(tl.int64) * tl.num_programs(0) + o) * 2 * (1 + T_INNER)
+    n_kept = 0
+    n_part = 0
+    for i in range(0, T_INNER):
+        if BY_KEYS:
+            mb = i
+            nb = o
+        else:
+            mb = o
+            nb = i
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = (rows[:, None] < M) & (cols[None, :] < N)
+        masked, kept = _classes(tl.load(base + rows[:, None] * e_sm + cols[None, :] * e_sn, mask=ok, other=0), KIND)
+        all_masked = tl.min(tl.min((masked | (ok == 0)).to(tl.int32), 1), 0)  # past M or N counts as masked
+        all_kept = tl.min(tl.min((kept & ok).to(tl.int32), 1), 0)  # past M or N: never kept whole
+        hidden = tl.load(HIDDEN + bh.to(tl.int64) * T_M + mb)
+        whole = all_kept == 1
+        part = (whole == 0) & ((all_masked == 0) | (hidden != 0))
+        tl.store(out + 1 + n_kept, i, mask=whole)
+        tl.store(out + (1 + T_INNER) + 1 + n_part, i, mask=part)
+        n_kept += whole.to(tl.int32)
+        n_part += part.to(tl.int32)
+    tl.store(out, n_kept)
+    tl.store(out + 1 + T_INNER, n_part)
+"""
+
+_KIND = {"add": 0, "keep": 1, "drop": 2}
+
+
+def list_launches(extra: torch.Tensor, kind: str, B: int, H: int, M: int, N: int, block_m: int, block_n: int,
+                  by_keys: tuple[bool, ...]) -> tuple[list, list]:
+    """The data mask's tile lists for the given orientations (False: per query block, True: per key block):
+    ([per orientation, its [B, H, T, 2, 1 + U] int32 lists, expanded where the mask broadcasts], the launches
+    that fill them, as (source, kernel name, grid, args, meta), to run before the attention kernel).  The
+    kernels run over the mask's own batch and head dims (1 where it broadcasts)."""
     e = extra.reshape((1,) * (4 - extra.dim()) + tuple(extra.shape))
     be, he = e.shape[:2]
     e = e.expand(be, he, M, N)
-    if kind == "add":
-        dead, kept = e <= DEAD_FILL, e == 0
-    else:
-        dead, kept = (~e, e) if kind == "keep" else (e, ~e)
+    if e.dtype == torch.bool:
+        e = e.view(torch.uint8)
     tm, tn = cdiv(M, block_m), cdiv(N, block_n)
-
-    def tiles(x, past: bool):  # [be, he, M, N] -> per tile: all of x, positions past M or N counting as `past`
-        padded = x.new_full((be, he, tm * block_m, tn * block_n), past)
-        padded[..., :M, :N] = x
-        return padded.view(be, he, tm, block_m, tn, block_n).all(5).all(3)
-
-    rows_dead = x = dead.all(-1)  # [be, he, M]
-    x = x.new_zeros((be, he, tm * block_m))
-    x[..., :M] = rows_dead
-    # a tile past M or N is never kept whole (its loads need bounds), but may be skipped
-    cls = torch.where(tiles(kept, False), 1,
-                      torch.where(tiles(dead, True) & ~x.view(be, he, tm, block_m).any(-1)[..., None], 0, 2))
-    if by_keys:
-        cls = cls.transpose(-1, -2)
-    lists = [torch.cat([(cls == c).sum(-1, keepdim=True), torch.argsort((cls != c).to(torch.int8), dim=-1, stable=True)], -1)
-             for c in (1, 2)]
-    return torch.stack(lists, -2).to(torch.int32).contiguous()
+    strides = e.stride()
+    hidden = torch.empty((be * he, tm), dtype=torch.int32, device=extra.device)
+    meta = dict(KIND=_KIND[kind], BLOCK_M=block_m, BLOCK_N=block_n)
+    launches = [(BLOCK_LISTS_SOURCE, "hidden_rows", (tm, be * he), (e, *strides, hidden, he, M, N, tm), meta)]
+    lists = []
+    for keys in by_keys:
+        outer, inner = (tn, tm) if keys else (tm, tn)
+        blocks = torch.empty((be, he, outer, 2, 1 + inner), dtype=torch.int32, device=extra.device)
+        launches.append((BLOCK_LISTS_SOURCE, "tile_lists", (outer, be * he),
+                         (e, *strides, hidden, blocks, he, M, N, tm, inner), dict(meta, BY_KEYS=keys)))
+        lists.append(blocks.expand(B, H, *blocks.shape[2:]))
+    return lists, launches
 
 
 def over_tiles(var: str, block: str, lo: str, hi: str, listed: str | None) -> list[str]:
     """The header of a loop over tiles: `var` from lo to hi by `block`, or over the list at `blk + listed`
-    (`block_lists`: its count, then the tile indices)."""
+    (`list_launches`: its count, then the tile indices)."""
     if listed is None:
         return [f"for {var} in range({lo}, {hi}, {block}):"]
     return [f"for i in range(0, tl.load(blk + {listed})):", f"    {var} = tl.load(blk + {listed} + 1 + i) * {block}"]
@@ -392,25 +458,28 @@ def attention_fwd(
 
 
 def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m: int, block_n: int,
-                by_keys: bool = False) -> list:
-    """Each extra with its [B, Hq, M, N] strides (0 where it broadcasts); then, with a data mask, its tile
-    lists (`block_lists`) per query block and, with `by_keys` (the backward's blocks), per key block."""
+                by_keys: bool = False) -> tuple[list, list]:
+    """(Each extra with its [B, Hq, M, N] strides (0 where it broadcasts), then, with a data mask, its tile
+    lists per query block and, with `by_keys` (the backward's blocks), per key block; the launches that
+    fill those lists, to run first: `list_launches`)."""
     args = []
     for e in extras:
         e = e.expand(B, Hq, M, N)
         args += [e, *e.stride()]
-    if mod.data_mask:
-        i, kind, _ = mod.data_mask
-        for keys in (False, True) if by_keys else (False,):
-            blocks = block_lists(extras[i], kind, M, N, block_m, block_n, by_keys=keys)
-            blocks = blocks.expand(B, Hq, *blocks.shape[2:])
-            args += [blocks, *blocks.stride()[:4]]
-    return args
+    if not mod.data_mask:
+        return args, []
+    i, kind, _ = mod.data_mask
+    lists, launches = list_launches(extras[i], kind, B, Hq, M, N, block_m, block_n,
+                                    (False, True) if by_keys else (False,))
+    for blocks in lists:
+        args += [blocks, *blocks.stride()[:4]]
+    return args, launches
 
 
 def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse: bool = False, seed=None):
     """Host side of one launch of ``attention_source(mod, D, dtype)``: checks the operands, allocates the output
-    (and the row statistics) and gives ``(out, lse, grid, args, meta)``; the runtime loads the kernel and launches it.
+    (and the row statistics) and gives ``(out, lse, grid, args, meta, first)``; the runtime loads the kernel and
+    launches it, after `first`: launches (source, name, grid, args, meta) that fill a data mask's tile lists.
 
     q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] with Hq % Hkv == 0; any strides.  ``extras`` are broadcastable to
     [B, Hq, M, N] and read in place (broadcast dims get stride 0).  Out: q's dtype, contiguous [B, Hq, M, D];
@@ -431,10 +500,10 @@ def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     out = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((2, B, Hq, M) if return_lse else (0,), dtype=torch.float32, device=q.device)
-    extra_args = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n)
+    extra_args, first = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n)
     grid = (cdiv(M, block_m), B * Hq)
     args = (q, k, v, out, lse, out if seed is None else seed, *extra_args, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             Hq, Hq // Hkv, M, N, float(scale))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32", STORE_LSE=return_lse,
                 num_warps=num_warps, num_stages=num_stages)
-    return out, (lse if return_lse else None), grid, args, meta
+    return out, (lse if return_lse else None), grid, args, meta, first

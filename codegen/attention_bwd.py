@@ -203,7 +203,8 @@ def attention_bwd_dq(
 
 
 def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: float = 1.0, seed=None):
-    """Host side of the two launches: (dq, dk, dv buffers, delta, [(name, grid)], args, meta).  dout is
+    """Host side of the two launches: (dq, dk, dv buffers, [(name, grid)], args, meta, first: launches to run
+    before them, as `prepare`'s).  dout is
     made contiguous like out; delta = rowsum(dO * O) in fp32 (FlashAttention-2's D).  `seed`: the
     forward's dropout seed, for kernels made with dropout."""
     B, Hq, M, D = q.shape
@@ -219,11 +220,11 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     kv_dtype = q.dtype if whole and Hq == k.shape[1] else torch.float32
     dk = torch.empty((B, Hq, N, block_d), dtype=kv_dtype, device=q.device)
     dv = torch.empty((B, Hq, N, block_d), dtype=kv_dtype, device=q.device)
-    extra_args = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, by_keys=True)
+    extra_args, first = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, by_keys=True)
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     args = (q, k, v, dout, lse, delta, dq, dk, dv, dq if seed is None else seed, *extra_args, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
             Hq, Hq // k.shape[1], M, N, float(scale))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32",
                 num_warps=num_warps, num_stages=num_stages)
     launches = [("attention_bwd_dkdv", (cdiv(N, block_n), B * Hq)), ("attention_bwd_dq", (cdiv(M, block_m), B * Hq))]
-    return dq, dk, dv, launches, args, meta
+    return dq, dk, dv, launches, args, meta, first

@@ -82,6 +82,11 @@ def _data_mask(scores, chain: list, extras: list, forms) -> tuple | None:
             continue
         loaded = [i for i, e in enumerate(extras) if e in n.all_input_nodes and (i >= len(forms) or forms[i] is None)]
         if len(loaded) != 1:
+            # Before the mask, only ops of the scores and plain numbers (scaling, soft-capping, casts): another
+            # mask there (a causal one from the indices, say) could hide a row's keys the data mask keeps, and
+            # its tiles, skipped for the data mask alone, would leave that row nothing (eager: uniform).
+            if packet(n) not in _BEFORE or any(a not in path for a in n.all_input_nodes):
+                return None
             continue
         i = loaded[0]
         e, op, args = extras[i], packet(n), n.args
@@ -102,6 +107,8 @@ def _data_mask(scores, chain: list, extras: list, forms) -> tuple | None:
 
 _ONE = {aten._to_copy, aten.clone, aten.alias, torch.ops.prims.convert_element_type}  # d/dx = 1 (a cast passes
 # the gradient straight through, as autograd does)
+# ops a data mask's tile skipping allows before the mask (`_data_mask`): finite scores stay finite
+_BEFORE = _ONE | {aten.mul, aten.div, aten.add, aten.sub, aten.neg, aten.tanh}
 
 
 def _gradient(scores, chain: list, names: dict) -> tuple[str, ...] | None:

@@ -45,7 +45,7 @@ from fuser.patterns.attention import safe_rows, dropout_site, extra_forms, find,
 from .dropout import dropout_op
 from .dtypes import target
 from .linear_ce import linear_cross_entropy_op
-from .runtime import run_attention, run_kernels
+from .runtime import run_attention, run_first, run_kernels
 
 aten = torch.ops.aten
 
@@ -388,8 +388,9 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     seed = _check_dropout(q, dropout, seeds)
     m = _MODS[mod]
     source = _source(attention_bwd_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
-    dq, dk, dv, launches, args, meta_args = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m, scale=scale,
-                                                        seed=seed)
+    dq, dk, dv, launches, args, meta_args, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
+                                                               scale=scale, seed=seed)
+    run_first(first, q.device.type)
     run_kernels(source, launches, args, meta_args, q.device.type)
     d, (b, hkv, n) = q.shape[-1], k.shape[:3]
     if q.shape[1] != hkv:  # per query head: summed over the heads sharing a K/V head

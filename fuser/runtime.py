@@ -639,8 +639,15 @@ def run_kernels(source: str, launches, args, meta: dict, device_type: str):
             run_interpreted(kernel, grid, *args, **meta)
 
 
+def run_first(launches, device_type: str):
+    """The launches `prepare` asks for before its kernel: (source, kernel name, grid, args, meta) each."""
+    for source, name, grid, args, meta in launches:
+        run_kernels(source, [(name, grid)], args, meta, device_type)
+
+
 def _launch_attention(kernel, prepare, q, k, v, extras, **kwargs):
-    out, lse, grid, args, meta_args = prepare(q, k, v, extras, **kwargs)
+    out, lse, grid, args, meta_args, first = prepare(q, k, v, extras, **kwargs)
+    run_first(first, q.device.type)
     if q.is_cuda:
         kernel[grid](*args, **meta_args)
     else:

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from fuser.attention import flash_attention
-from fuser.codegen.attention import ScoreMod, attention_source, block_lists
+from fuser.codegen.attention import ScoreMod, attention_source, list_launches
 from fuser.dropout import dropout as fuser_dropout
-from fuser.runtime import load
+from fuser.runtime import load, run_first
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("FUSER_TEST_DEVICE") == "cuda" else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -382,6 +382,14 @@ def test_dropout_on_the_probabilities(dtype, p):
         assert (other.double() - run(q, k, v).double()).abs().max() > 0.1
 
 
+def block_lists(mask, kind, M, N, block_m, block_n, by_keys=False):
+    """The data mask's tile lists, as the kernels get them (`list_launches` run first)."""
+    e = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    lists, launches = list_launches(mask, kind, e.shape[0], e.shape[1], M, N, block_m, block_n, (by_keys,))
+    run_first(launches, DEVICE)
+    return lists[0].cpu()
+
+
 def _listed(blocks, row, which):
     """The tile indices on list `which` (0: kept whole, 1: kept in part) of one row of `block_lists`."""
     n = blocks[row][which][0].item()
@@ -421,11 +429,11 @@ def test_data_mask_skips_tiles_forward_and_backward(dtype, kind):
     its tile lists.  Output and gradients match fp64 eager, fully hidden rows included (finite fills); NaN
     planted in keys no query may see never reaches them (their tiles are skipped, not loaded)."""
     torch.manual_seed(23)
-    B, H, M, D = 2, 2, 45, 16
+    B, H, M, D = 2, 2, 150, 16
     q, k, v = qkv(B, H, H, M, M, D, dtype)
     pos = torch.arange(M, device=DEVICE)
     hidden = (pos[None, None, :] < torch.tensor([0, 20], device=DEVICE)[:, None, None]) | (pos[None, None, :] > pos[None, :, None])
-    hidden[0, :, 32:] = True  # sample 0: keys 32.. padded away for every query
+    hidden[0, :, 128:] = True  # sample 0: keys 128.. padded away for every query: whole tiles (up to 128 wide)
     hidden = hidden[:, None]
     fill = torch.finfo(torch.float32).min
     extra, lines, grad, ref_mod = {
@@ -435,7 +443,7 @@ def test_data_mask_skips_tiles_forward_and_backward(dtype, kind):
         "drop": (hidden, f"s = tl.where(extra0, {fill!r}, s)", "g = tl.where(extra0, 0.0, 1.0)",
                  lambda s, qi, ki: s.masked_fill(hidden, fill))}[kind]
     mod = ScoreMod((lines,), n_extra=1, grad=(grad,), data_mask=(0, kind, extra.dtype))
-    k[0, :, 32:], v[0, :, 32:] = float("nan"), float("nan")
+    k[0, :, 128:], v[0, :, 128:] = float("nan"), float("nan")
     w = rand(B, H, M, D)
     clean = lambda x: torch.where(torch.isnan(x), 0.0, x)  # noqa: E731  the reference never reads them either
     check(flash_attention(q, k, v, scale=0.3, mod=mod, extras=(extra,)),
@@ -444,7 +452,7 @@ def test_data_mask_skips_tiles_forward_and_backward(dtype, kind):
     want = _grads(lambda q, k, v: reference(q, clean(k), clean(v), 0.3, mod=ref_mod)[0], w, q.double(), k.double(),
                   v.double())
     # hidden rows pass a gradient to q through an add (not through masked_fill); hidden keys get none
-    assert (want[0][1, :, :20].abs().amax() > 0.1) == (kind == "add") and (want[1][0, :, 32:] == 0).all()
+    assert (want[0][1, :, :20].abs().amax() > 0.1) == (kind == "add") and (want[1][0, :, 128:] == 0).all()
     for g, w_ in zip(got, want):
         tol = BWD_TOL[dtype] * w_.abs().max().item()
         torch.testing.assert_close(g.double(), w_, atol=tol, rtol=BWD_TOL[dtype])

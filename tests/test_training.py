@@ -235,6 +235,38 @@ def test_padded_attention_with_dropout_runs_our_kernel_with_eagers_masks(device,
     assert not torch.allclose(fused(ids, mask), out)  # another seed, another mask
 
 
+class _CausalAndPadding(torch.nn.Module):
+    """A causal mask built from the positions, then a padding mask that is data: two masks, the data one last."""
+
+    def forward(self, q, k, v, pad):
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        i = torch.arange(s.shape[-1], device=q.device)
+        s = s.masked_fill(i[None, :] > i[:, None], float("-inf")) + pad
+        return torch.softmax(s, -1) @ v
+
+
+def test_data_mask_after_another_mask_skips_no_tiles(device):
+    """Tiles are skipped from the data mask alone only where nothing before it masks too: here a pad query
+    row keeps keys the causal mask already hid and sees its padded keys alone (eager: uniform over them);
+    skipping the tiles the padding hides would leave that row nothing (NaN).  Found by review."""
+    torch.manual_seed(24)
+    q, k, v = (torch.randn(2, 2, 40, 16, device=device, requires_grad=True) for _ in range(3))
+    pad = torch.zeros(2, 1, 1, 40, device=device)
+    pad[1, ..., :20] = torch.finfo(torch.float32).min
+    fused = fuser.fuse(_CausalAndPadding())
+    out = fused(q, k, v, pad)
+    twin = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    ref = _CausalAndPadding()(*twin, pad)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    w = torch.randn_like(ref)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), twin)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    notes = _claims(fused)
+    assert any("attention claimed before autograd (our kernel" in n for n in notes), notes
+    assert not any("masks whole skipped" in n for n in notes), notes
+
+
 def test_bloom_attention_in_training_is_left_with_its_reason(device):
     """BLOOM's GELU is a custom autograd.Function, which the claim's trace before autograd cannot keep
     (its backward need not be its forward's gradient): the attention is left to its ops, the notes
