@@ -1,5 +1,7 @@
-"""The row kernel of the chunked linear + cross-entropy (fuser/linear_ce.py): over one chunk of
-logits, each row's loss and, written in place over the logits, the loss's gradient w.r.t. them.
+"""The kernels of the chunked linear + cross-entropy (fuser/linear_ce.py).  `cross_entropy_rows`: over
+one chunk of logits, each row's loss and log-sum-exp and, written in place over the logits, the
+loss's gradient w.r.t. them.  `cross_entropy_slice`: over the logits of a slice of the classes for
+every row, that gradient again from the saved log-sum-exp (the weight's gradient by vocabulary slices).
 
 The logits are computed by a torch matmul in the input dtype (as eager's F.linear rounds them) and
 read here in fp32, as eager's `.float()` does.  `row_source` gives the kernel's source text, `prepare`
@@ -13,13 +15,14 @@ from fuser import ops
 from fuser.dtypes import TL_DTYPE, convert
 from fuser.plan import next_pow2
 
-__all__ = ["KERNEL", "prepare", "row_source"]
+__all__ = ["KERNEL", "SLICE_KERNEL", "prepare", "prepare_slice", "row_source"]
 
 KERNEL = "cross_entropy_rows"
+SLICE_KERNEL = "cross_entropy_slice"
 
 
 def row_source(dtype: torch.dtype) -> str:
-    """Triton source of `cross_entropy_rows` for logits of `dtype`, for the backend in use (the
+    """Triton source of `cross_entropy_rows` and `cross_entropy_slice` for logits of `dtype`, for the backend in use (the
     gradient's store rounds to `dtype` as dtypes.convert writes it: by hand for bf16 in the interpreter,
     which truncates).  Call it inside `fuser.dtypes.target(device_type)`."""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -34,7 +37,8 @@ def row_source(dtype: torch.dtype) -> str:
 # HBM bytes a row, V classes, e = {e} bytes an element:
 #   read   logits    2*V*e   pass 1 (max, sum of exp, sum, target logit) and pass 2 (the gradient)
 #   write  gradient  V*e     in place over the logits
-#   read   target 8, write loss 4
+#   read   target 8, write loss and log-sum-exp 8
+# cross_entropy_slice reads a row's slice of logits once and writes its gradient in place (+ target, lse: 12).
 # Eager moves the [rows, V] logits through the fp32 upcast, log_softmax, nll_loss's backward,
 # log_softmax's backward and the downcast: about (e + 4) + 8 + 4 + 12 + (4 + e) bytes an element.
 import triton
@@ -42,7 +46,14 @@ import triton.language as tl
 {helpers}
 
 @triton.jit
-def {KERNEL}(LOGITS, TARGET, LOSS, SCALE, V, ignore_index, label_smoothing, BLOCK_V: tl.constexpr):
+def _gradient(x, cols, lse, target, kept, scale, V, label_smoothing):
+    # d loss / d logits = (softmax - (1 - ls) * onehot - ls / V) * scale; 0 in an ignored row
+    g = tl.exp(x - lse) - label_smoothing / V - tl.where(cols == target, 1.0 - label_smoothing, 0.0)
+    return tl.where(kept, g * scale, 0.0)
+
+
+@triton.jit
+def {KERNEL}(LOGITS, TARGET, LOSS, LSE, SCALE, V, ignore_index, label_smoothing, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * V  # the chunk's logits are contiguous [rows, V]
     target = tl.load(TARGET + row)
@@ -68,15 +79,32 @@ def {KERNEL}(LOGITS, TARGET, LOSS, SCALE, V, ignore_index, label_smoothing, BLOC
     # (1 - ls) * (lse - x_t) + ls * (lse - total / V): nll plus the smoothing term, as eager weighs them
     loss = lse - (1.0 - label_smoothing) * x_target - label_smoothing * total / V
     tl.store(LOSS + row, tl.where(kept, loss, 0.0))
+    tl.store(LSE + row, lse)
 
-    # pass 2: d loss / d logits = (softmax - (1 - ls) * onehot - ls / V) * scale; 0 in an ignored row
-    smooth = label_smoothing / V
+    # pass 2: the gradient, in place
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         ok = cols < V
         x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-        g = tl.exp(x - lse) - smooth - tl.where(cols == target, 1.0 - label_smoothing, 0.0)
-        g = tl.where(kept, g * scale, 0.0)
+        g = _gradient(x, cols, lse, target, kept, scale, V, label_smoothing)
+        tl.store(base + cols, {store}, mask=ok)
+
+
+@triton.jit
+def {SLICE_KERNEL}(LOGITS, TARGET, LSE, SCALE, V, V0, VS, ignore_index, label_smoothing, BLOCK_V: tl.constexpr):
+    # one row's logits of classes [V0, V0 + VS), contiguous [rows, VS]: their gradient in place
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * VS
+    target = tl.load(TARGET + row)
+    kept = target != ignore_index
+    scale = tl.load(SCALE)
+    lse = tl.load(LSE + row)
+    offs = tl.arange(0, BLOCK_V)
+    for start in range(0, VS, BLOCK_V):
+        cols = start + offs
+        ok = cols < VS
+        x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+        g = _gradient(x, cols + V0, lse, target, kept, scale, V, label_smoothing)
         tl.store(base + cols, {store}, mask=ok)
 '''
 
@@ -88,17 +116,30 @@ def block_v(n_classes: int, on_gpu: bool) -> int:
     return min(next_pow2(max(n_classes, 1)), 4096 if on_gpu else 512)
 
 
-def prepare(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, *, ignore_index: int,
-            label_smoothing: float, scale: torch.Tensor):
-    """Host side of one launch over a chunk: (grid, args, meta).  logits: contiguous [rows, V], made
-    the gradient in place; target: [rows] int64; loss: [rows] fp32, written (0 in ignored rows).
-    `scale`: a 0-d fp32 tensor on the logits' device, the reduction's factor on the gradient (1 / kept
-    rows over the whole batch for "mean")."""
-    rows, n_classes = logits.shape
-    if not logits.is_contiguous() or target.dtype != torch.int64 or loss.dtype != torch.float32:
-        raise ValueError("cross_entropy_rows: wants contiguous logits, int64 targets and an fp32 loss")
+def _checked(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor):
+    if not logits.is_contiguous() or target.dtype != torch.int64 or stats.dtype != torch.float32:
+        raise ValueError("cross_entropy: wants contiguous logits, int64 targets and fp32 losses / log-sum-exps")
     if scale.dtype != torch.float32 or scale.dim() != 0 or scale.device != logits.device:
-        raise ValueError("cross_entropy_rows: wants the scale as a 0-d fp32 tensor on the logits' device")
-    block = block_v(n_classes, logits.is_cuda)
-    args = (logits, target, loss, scale, n_classes, int(ignore_index), float(label_smoothing))
-    return (rows,), args, dict(BLOCK_V=block, num_warps=max(1, min(8, block // 512)))
+        raise ValueError("cross_entropy: wants the scale as a 0-d fp32 tensor on the logits' device")
+    block = block_v(logits.shape[1], logits.is_cuda)
+    return dict(BLOCK_V=block, num_warps=max(1, min(8, block // 512)))
+
+
+def prepare(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse: torch.Tensor, *,
+            ignore_index: int, label_smoothing: float, scale: torch.Tensor):
+    """Host side of `cross_entropy_rows` over a chunk: (grid, args, meta).  logits: contiguous [rows, V],
+    made the gradient in place; target: [rows] int64; loss, lse: [rows] fp32, written (the loss 0 in
+    ignored rows).  `scale`: a 0-d fp32 tensor on the logits' device, the reduction's factor on the
+    gradient (1 / kept rows over the whole batch for "mean")."""
+    meta = _checked(logits, target, loss, scale)
+    args = (logits, target, loss, lse, scale, logits.shape[1], int(ignore_index), float(label_smoothing))
+    return (logits.shape[0],), args, meta
+
+
+def prepare_slice(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, n_classes: int, first: int, *,
+                  ignore_index: int, label_smoothing: float, scale: torch.Tensor):
+    """Host side of `cross_entropy_slice`: logits of classes [first, first + logits.shape[1]) of every
+    row, contiguous, made their gradient in place, from the rows' log-sum-exp `lse` (cross_entropy_rows')."""
+    meta = _checked(logits, target, lse, scale)
+    args = (logits, target, lse, scale, n_classes, first, logits.shape[1], int(ignore_index), float(label_smoothing))
+    return (logits.shape[0],), args, meta

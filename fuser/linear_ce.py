@@ -2,15 +2,21 @@
 its gradients, chunk by chunk of rows, without ever holding the [N, V] logits.
 
 Each chunk: the logits by torch's matmul in the input dtype (eager's F.linear rounds them so), one
-Triton kernel (codegen/cross_entropy.py) for the rows' losses and the gradient w.r.t. the logits,
-written over them, then grad_x = grad_logits @ weight, grad_weight += grad_logits^T @ x and
-grad_bias += grad_logits summed.  The gradients are computed in the forward, so the op's backward
-only scales them by the upstream gradient: that needs a scalar loss ("mean" or "sum", not "none").
+Triton kernel (codegen/cross_entropy.py) for the rows' losses and log-sum-exps and the gradient
+w.r.t. the logits, written over them, then grad_x = grad_logits @ weight.  With one chunk,
+grad_weight = grad_logits^T @ x and grad_bias their sum.  With several, the weight's gradient is
+computed by slices of the vocabulary instead: each slice's logits for every row again (x @ W[slice]^T),
+their gradient from the saved log-sum-exps (a second kernel), grad_weight[slice] = that^T @ x and
+grad_bias[slice] its sum.  The gradients are computed in the forward, so the op's backward only
+scales them by the upstream gradient: that needs a scalar loss ("mean" or "sum", not "none").
 
-Memory: one [chunk, V] logits buffer (reused as its gradient), grad_x as x, and grad_weight (and
-grad_bias) accumulated in fp32: V*D*4 bytes, twice a 16-bit weight, plus its V*D rounded copy at
-the end; with a single chunk, grad_weight is one matmul written in the weight's dtype.  Why fp32: adding each chunk's product to a 16-bit sum would round once a chunk, an error
-growing with the number of chunks, where eager's one matmul over all N rows rounds once.
+Memory: one [chunk, V] logits buffer (reused as its gradient; a slice's [N, V / chunks] is no larger),
+grad_x as x, grad_weight in the weight's dtype, the rows' losses and log-sum-exps.  Decision (issue 12,
+the 128K-vocabulary model): slices cost one more matmul of the logits' size (4 instead of 3), but no
+grad_weight summed over chunks, which must be fp32 (a 16-bit sum rounds once a chunk, an error growing
+with the chunks, where eager's one matmul over all N rows rounds once): V*D*4 bytes held, V*D*6 more at
+the end for its rounded copy, and V*D*8 moved a chunk.  Each slice's grad_weight is one matmul over all
+N rows, rounded once, as eager's.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import math
 
 import torch
 
-from fuser.codegen.cross_entropy import KERNEL, prepare, row_source
+from fuser.codegen.cross_entropy import KERNEL, SLICE_KERNEL, prepare, prepare_slice, row_source
 
 from . import dtypes
 from .plan import next_pow2
@@ -37,11 +43,11 @@ def rows_per_chunk(n: int, n_classes: int, dim: int) -> int:
     size of x: next_power_of_2(ceil(N / ceil(V / D)))) raised to 2048 rows, or to as many as keep the
     chunk's fp32 logits within 1 GiB.
 
-    Why the floor: each chunk adds its product to the fp32 grad_weight, 8*V*D bytes moved against
-    6*rows*V*D flops of matmul, about 300/rows of the chunk's time on an H100.  Measured there (bf16,
-    N 8192, D 4096, V 128256; forward + backward): Liger's 256 rows (32 chunks) took 101 ms, two thirds
-    of it that read-modify-write; 1024 rows 49 ms, 2048 rows 43 ms (peak 3.5 GiB above the inputs);
-    eager 56 ms, 11.7 GiB."""
+    Why the floor: small chunks make small matmuls, and (when grad_weight was summed over chunks in
+    fp32) each chunk moved 8*V*D bytes against 6*rows*V*D flops, about 300/rows of the chunk's time on
+    an H100.  Measured there then (bf16, N 8192, D 4096, V 128256; forward + backward): Liger's 256 rows
+    (32 chunks) took 101 ms, 1024 rows 49 ms, 2048 rows 43 ms (peak 3.5 GiB above the inputs); eager 56
+    ms, 11.7 GiB.  (grad_weight is now computed by vocabulary slices: the module's docstring.)"""
     liger = next_pow2(math.ceil(n / math.ceil(n_classes / dim)))
     floor = _MIN_ROWS
     while floor > 1 and floor * n_classes * 4 > _MAX_CHUNK_BYTES:
@@ -103,18 +109,6 @@ def _source(dtype: torch.dtype, device_type: str) -> str:
         return row_source(dtype)
 
 
-def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, acc fp32: no product is rounded to a 16-bit dtype on the way.  CUDA: a matmul
-    with an fp32 output, accumulating in place (`addmm` with `out_dtype`, torch >= 2.11); CPU has no
-    kernel for that, so there the chunk's operands are upcast (two temporaries of a chunk's size)."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
-
-
 @torch.library.custom_op("fuser::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                             ignore_index: int, label_smoothing: float, reduction: str,
@@ -130,31 +124,38 @@ def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     scale = n_kept.clamp_min(1).float().reciprocal() if reduction == "mean" else x.new_ones((), dtype=torch.float32)
     source = _source(x.dtype, x.device.type)
     row_loss = x.new_empty(n, dtype=torch.float32)
+    lse = x.new_empty(n, dtype=torch.float32)
     grad_x = x.new_empty(n, dim)
+    grad_w = weight.new_empty(weight.shape)
+    grad_b = weight.new_empty(n_classes) if bias is not None else weight.new_empty(0)
     step = chunk_rows or rows_per_chunk(n, n_classes, dim)
-    # one chunk: its product is the whole gradient, written once in the weight's dtype (no fp32 sum,
-    # no zero fill, no rounded copy: V*D*6 bytes less to move and to hold)
-    grad_w = weight.new_empty(weight.shape) if step >= n else weight.new_zeros(weight.shape, dtype=torch.float32)
-    grad_b = weight.new_zeros(n_classes, dtype=torch.float32) if bias is not None else None
+    ce = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, scale=scale)
     for lo in range(0, n, step):
         hi = min(lo + step, n)
         xc = x2[lo:hi]
         logits = torch.addmm(bias, xc, weight.t()) if bias is not None else torch.mm(xc, weight.t())
-        grid, args, meta = prepare(logits, t[lo:hi], row_loss[lo:hi], ignore_index=ignore_index,
-                                   label_smoothing=label_smoothing, scale=scale)
+        grid, args, meta = prepare(logits, t[lo:hi], row_loss[lo:hi], lse[lo:hi], **ce)
         run_kernels(source, [(KERNEL, grid)], args, meta, x.device.type)
         torch.mm(logits, weight, out=grad_x[lo:hi])  # logits now hold their gradient
-        if step >= n:
+        if step >= n:  # one chunk: the whole gradient, written once in the weight's dtype
             torch.mm(logits.t(), xc, out=grad_w)
-        else:
-            _add_product(grad_w, logits.t(), xc)
-        if grad_b is not None:
-            grad_b += logits.sum(0, dtype=torch.float32)
+            if bias is not None:
+                grad_b.copy_(logits.sum(0, dtype=torch.float32))
+    if step < n:  # several: by slices of the vocabulary, each [N, width] no larger than a chunk's logits
+        width = max(1, step * n_classes // n)
+        for v0 in range(0, n_classes, width):
+            v1 = min(v0 + width, n_classes)
+            w = weight[v0:v1]
+            logits = torch.addmm(bias[v0:v1], x2, w.t()) if bias is not None else torch.mm(x2, w.t())
+            grid, args, meta = prepare_slice(logits, t, lse, n_classes, v0, **ce)
+            run_kernels(source, [(SLICE_KERNEL, grid)], args, meta, x.device.type)
+            torch.mm(logits.t(), x2, out=grad_w[v0:v1])
+            if bias is not None:
+                grad_b[v0:v1].copy_(logits.sum(0, dtype=torch.float32))
     loss = row_loss.sum()
     if reduction == "mean":
         loss = loss / n_kept  # 0 / 0 = NaN with every row ignored, as eager gives
-    grad_b = grad_b.to(weight.dtype) if grad_b is not None else weight.new_empty(0)
-    return loss, grad_x.view(x.shape), grad_w.to(weight.dtype), grad_b
+    return loss, grad_x.view(x.shape), grad_w, grad_b
 
 
 @linear_cross_entropy_op.register_fake

@@ -121,10 +121,11 @@ def test_upstream_gradient_scales(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("chunk_rows", [4, None], ids=["ten_chunks", "one_chunk"])
 def test_gradients_round_once(dtype, chunk_rows, device):
-    """Ten chunks, each one's product added in fp32 and grad_weight, grad_bias rounded once at the end:
-    within 3 ulps of eager's one matmul and sum (seen: 1.5).  Sums kept in 16 bits, a rounding a
-    chunk, were 11-20 ulps off.  One chunk (the rule's choice here): grad_weight is one matmul in the
-    weight's dtype, as eager's.  (grad_x is not summed over chunks: test_matches_eager holds it.)"""
+    """Ten chunks: grad_weight and grad_bias by vocabulary slices, each slice one matmul (and one sum)
+    over all rows, rounded once: within 3 ulps of eager's one matmul and sum (when chunks' products were
+    summed in 16 bits, a rounding a chunk, they were 11-20 ulps off).  One chunk (the rule's choice here):
+    grad_weight is one matmul in the weight's dtype, as eager's.  (grad_x is not summed over chunks:
+    test_matches_eager holds it.)"""
     x, w, b, t = _inputs(device, dtype)
     assert chunk_rows or rows_per_chunk(x.shape[0], w.shape[0], w.shape[1]) == x.shape[0]
     (_, got), (_, want) = (_run(fn, x, w, t, b, **kw) for fn, kw in ((linear_cross_entropy, dict(chunk_rows=chunk_rows)), (_eager, {})))
