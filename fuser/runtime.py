@@ -641,8 +641,8 @@ def run_kernels(source: str, launches, args, meta: dict, device_type: str):
 
 def run_first(launches, device_type: str):
     """The launches `prepare` asks for before its kernel: (source, kernel name, grid, args, meta) each."""
-    for source, name, grid, args, meta in launches:
-        run_kernels(source, [(name, grid)], args, meta, device_type)
+    for source, name, grid, args, meta_args in launches:
+        run_kernels(source, [(name, grid)], args, meta_args, device_type)
 
 
 def _launch_attention(kernel, prepare, q, k, v, extras, **kwargs):
