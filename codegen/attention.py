@@ -173,8 +173,8 @@ def tile_lists(E, e_sb, e_sh, e_sm, e_sn, HIDDEN, OUT, H, M, N, T_M, T_INNER,
     bh = tl.program_id(1)
     base = E + (bh // H).to(tl.int64) * e_sb + (bh % H).to(tl.int64) * e_sh
     out = OUT + (bh.to(tl.int64) * tl.num_programs(0) + o) * 2 * (1 + T_INNER)
-    n_kept = 0
-    n_part = 0
+    n_kept = tl.zeros((), tl.int32)
+    n_part = tl.zeros((), tl.int32)
     for i in range(0, T_INNER):
         if BY_KEYS:
             mb = i
