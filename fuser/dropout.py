@@ -40,7 +40,8 @@ def dropout(x: torch.Tensor, p: float, *, seed: torch.Tensor | None = None, offs
     return torch.ops.fuser.dropout.default(x, seed, float(p), int(offset))
 
 
-def _check(x: torch.Tensor, seed: torch.Tensor, p: float):
+def check(x: torch.Tensor, seed: torch.Tensor, p: float):
+    """fuser::dropout's arguments (also those of the attention ops' dropout, fuser/pregrad.py)."""
     torch._check(x.dtype.is_floating_point, lambda: f"fuser::dropout: x must be floating point, not {x.dtype}")
     torch._check(seed.dim() == 0 and seed.dtype == torch.int64 and seed.device == x.device,
                  lambda: f"fuser::dropout: the seed must be a 0-d int64 tensor on {x.device}, not {seed.dtype} "
@@ -51,7 +52,7 @@ def _check(x: torch.Tensor, seed: torch.Tensor, p: float):
 @torch.library.custom_op("fuser::dropout", mutates_args=())
 def dropout_op(x: torch.Tensor, seed: torch.Tensor, p: float, offset: int) -> torch.Tensor:
     """The op where no region took it: our kernel, the fused lowering's expression."""
-    _check(x, seed, p)
+    check(x, seed, p)
     out = torch.empty_like(x)  # the layout the fake gives
     if out.numel():
         _launch(x, seed, p, offset, out)
@@ -60,7 +61,7 @@ def dropout_op(x: torch.Tensor, seed: torch.Tensor, p: float, offset: int) -> to
 
 @dropout_op.register_fake
 def _(x, seed, p, offset):
-    _check(x, seed, p)
+    check(x, seed, p)
     return torch.empty_like(x)
 
 

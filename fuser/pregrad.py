@@ -42,7 +42,7 @@ from fuser.graph import ComputeGraph, meta
 from fuser.patterns import cross_entropy
 from fuser.patterns.attention import safe_rows, dropout_site, extra_forms, find, mask_structure, normalize_attention
 
-from .dropout import dropout_op
+from .dropout import check as check_dropout, dropout_op
 from .dtypes import target
 from .linear_ce import linear_cross_entropy_op
 from .runtime import run_attention, run_first, run_kernels
@@ -354,11 +354,12 @@ def _source(make, mod: ScoreMod, head_dim: int, dtype, device_type: str, dropout
 def _check_dropout(q: torch.Tensor, dropout: float, seeds: list[torch.Tensor]) -> torch.Tensor | None:
     """The seed of dropout on the probabilities, or None without dropout.  The ops take it as a list of
     zero or one tensors: torch.library's autograd glue mis-structures an optional tensor passed as None."""
-    torch._check(0.0 <= dropout <= 1.0, lambda: f"dropout probability has to be between 0 and 1, but got {dropout}")
-    torch._check(not dropout or (len(seeds) == 1 and seeds[0].dim() == 0 and seeds[0].dtype == torch.int64
-                                 and seeds[0].device == q.device),
-                 lambda: f"fuser::flash_attention: dropout needs one 0-d int64 seed on {q.device}")
-    return seeds[0] if dropout else None
+    torch._check(len(seeds) == (1 if dropout else 0),
+                 lambda: f"fuser::flash_attention: dropout {dropout} with {len(seeds)} seeds (one with dropout, else none)")
+    if not dropout:
+        return None
+    check_dropout(q, seeds[0], dropout)
+    return seeds[0]
 
 
 @torch.library.custom_op("fuser::flash_attention", mutates_args=())
