@@ -46,6 +46,7 @@ ROWS = [
     ("ALiBi + causal", 4, 16, 16, 4096, 128, "alibi"),
     (f"sliding window {WINDOW} (mask in a buffer)", 4, 16, 16, 4096, 128, "window"),
     ("D64 S1024 causal", 16, 16, 16, 1024, 64, "causal-graph"),
+    ("D64 S1024 causal, mask in a buffer", 16, 16, 16, 1024, 64, "causal-buffer"),
     ("GQA 32/8 causal", 4, 32, 8, 2048, 128, "causal-graph"),
 ]
 

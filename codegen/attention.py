@@ -6,6 +6,7 @@ soft-capping) as a :class:`ScoreMod`; :func:`attention_source` splices it into o
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -127,12 +128,18 @@ DEAD_FILL = -1e30
 _NEUTRAL = {"add": 0, "keep": 1, "drop": 0}  # the data mask's value on a tile it keeps whole
 
 
-# The data mask's tiles as lists (`ScoreMod.data_mask`): two small kernels per list set, launched before
-# the attention kernel (`list_launches`).  `hidden_rows`: per query block, whether a row there sees no key
-# at all (eager's uniform row: that block skips nothing).  `tile_lists`: per query block (per key block
-# with BY_KEYS, for the backward's dK/dV), each tile classed and appended to one of two lists,
-# [0] = count, then the indices of the tiles the mask keeps whole (inside M and N), [1] = those it keeps
-# in part; a tile it masks whole is on neither.  HBM bytes: the mask is read once by each kernel.
+# The data mask's tiles as lists (`ScoreMod.data_mask`), built per call by small kernels launched before
+# the attention kernel (`list_launches`), each program a tile or a block, so that they take microseconds
+# (the first version, a program per query block walking its row of tiles, took 30-60 us on an H100).
+# `tile_classes`: one program per tile, its class (0: masked whole, past M or N counting as masked; 1: kept
+# in part; 2: kept whole, inside M and N) and, per row, whether the row keeps a key of the tile.
+# `tile_lists`: per query block (per key block with BY_KEYS, the backward's dK/dV), the tiles on two lists
+# of runs, [0] = the number of runs, then each run's first tile and one past its last: the tiles kept
+# whole, then those kept in part (the kernels loop over a range inside a run, which Triton pipelines as
+# it does a structural mask's; causal, window and padding masks give one or two runs), a tile masked whole on
+# neither unless its query block holds a row that keeps no key at all (eager's uniform row: that block
+# skips nothing; the per-query-block launch finds those blocks, the per-key-block one, launched after it,
+# reads them).  HBM bytes: the mask read once (tile_classes); the rest is bytes per tile or row.
 BLOCK_LISTS_SOURCE = f"""\
 import triton
 import triton.language as tl
@@ -151,89 +158,126 @@ def _classes(x, KIND: tl.constexpr):
 
 
 @triton.jit
-def hidden_rows(E, e_sb, e_sh, e_sm, e_sn, HIDDEN, H, M, N, T_M,
-                KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    m = tl.program_id(0)
+def tile_classes(E, e_sb, e_sh, e_sm, e_sn, CLASS, ROWS, H, M, N, T_M, T_N,
+                 KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # CLASS: [B*H, T_M, T_N] int8; ROWS: [B*H, T_N, M] int8, 1 where the row keeps a key of key block nb
+    t = tl.program_id(0)
     bh = tl.program_id(1)
+    mb = t // T_N
+    nb = t % T_N
     base = E + (bh // H).to(tl.int64) * e_sb + (bh % H).to(tl.int64) * e_sh
-    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    seen = tl.zeros([BLOCK_M], tl.int32)
-    for n in range(0, N, BLOCK_N):
-        cols = n + tl.arange(0, BLOCK_N)
-        ok = (rows[:, None] < M) & (cols[None, :] < N)
-        masked, _ = _classes(tl.load(base + rows[:, None] * e_sm + cols[None, :] * e_sn, mask=ok, other=0), KIND)
-        seen = tl.maximum(seen, tl.max((ok & (masked == 0)).to(tl.int32), 1))
-    tl.store(HIDDEN + bh.to(tl.int64) * T_M + m, tl.max(((rows < M) & (seen == 0)).to(tl.int32), 0))
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    masked, kept = _classes(tl.load(base + rows[:, None] * e_sm + cols[None, :] * e_sn, mask=ok, other=0), KIND)
+    all_masked = tl.min(tl.min((masked | (ok == 0)).to(tl.int32), 1), 0)
+    all_kept = tl.min(tl.min((kept & ok).to(tl.int32), 1), 0)
+    tl.store(CLASS + (bh.to(tl.int64) * T_M + mb) * T_N + nb, tl.where(all_kept == 1, 2, 1 - all_masked).to(tl.int8))
+    sees = tl.max((ok & (masked == 0)).to(tl.int8), 1)
+    tl.store(ROWS + (bh.to(tl.int64) * T_N + nb) * M + rows, sees, mask=rows < M)
 
 
 @triton.jit
-def tile_lists(E, e_sb, e_sh, e_sm, e_sn, HIDDEN, OUT, H, M, N, T_M, T_INNER,
-               KIND: tl.constexpr, BY_KEYS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def tile_lists(CLASS, ROWS, HIDDEN, OUT, M, T_M, T_N,
+               BY_KEYS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    # OUT: [B*H, outer, 2, 1 + 2 * inner] int32; HIDDEN: [B*H, T_M] int32, written per query block, read per key block
     o = tl.program_id(0)
-    bh = tl.program_id(1)
-    base = E + (bh // H).to(tl.int64) * e_sb + (bh % H).to(tl.int64) * e_sh
-    out = OUT + (bh.to(tl.int64) * tl.num_programs(0) + o) * 2 * (1 + T_INNER)
+    bh = tl.program_id(1).to(tl.int64)
+    if BY_KEYS:  # key block o: its query blocks
+        inner = T_M
+        cls = CLASS + bh * T_M * T_N + o
+        step = T_N
+        out = OUT + (bh * T_N + o) * 2 * (1 + 2 * T_M)
+        hidden = 0
+    else:  # query block o: its key blocks, and whether a row of it keeps no key at all
+        inner = T_N
+        cls = CLASS + (bh * T_M + o) * T_N
+        step = 1
+        out = OUT + (bh * T_M + o) * 2 * (1 + 2 * T_N)
+        rows = o * BLOCK_M + tl.arange(0, BLOCK_M)
+        sees = tl.zeros([BLOCK_M], tl.int32)
+        for n0 in range(0, T_N, CHUNK):
+            nb = n0 + tl.arange(0, CHUNK)
+            at = ROWS + (bh * T_N + nb[:, None]) * M + rows[None, :]
+            seen = tl.load(at, mask=(nb[:, None] < T_N) & (rows[None, :] < M), other=0).to(tl.int32)
+            sees = tl.maximum(sees, tl.max(seen, 0))
+        hidden = tl.max(((rows < M) & (sees == 0)).to(tl.int32), 0)
+        tl.store(HIDDEN + bh * T_M + o, hidden)
     n_kept = tl.zeros((), tl.int32)
     n_part = tl.zeros((), tl.int32)
-    for i in range(0, T_INNER):
-        if BY_KEYS:
-            mb = i
-            nb = o
-        else:
-            mb = o
-            nb = i
-        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = (rows[:, None] < M) & (cols[None, :] < N)
-        masked, kept = _classes(tl.load(base + rows[:, None] * e_sm + cols[None, :] * e_sn, mask=ok, other=0), KIND)
-        all_masked = tl.min(tl.min((masked | (ok == 0)).to(tl.int32), 1), 0)  # past M or N counts as masked
-        all_kept = tl.min(tl.min((kept & ok).to(tl.int32), 1), 0)  # past M or N: never kept whole
-        hidden = tl.load(HIDDEN + bh.to(tl.int64) * T_M + mb)
-        whole = all_kept == 1
-        part = (whole == 0) & ((all_masked == 0) | (hidden != 0))
-        tl.store(out + 1 + n_kept, i, mask=whole)
-        tl.store(out + (1 + T_INNER) + 1 + n_part, i, mask=part)
-        n_kept += whole.to(tl.int32)
-        n_part += part.to(tl.int32)
+    for i0 in range(0, inner, CHUNK):
+        i = i0 + tl.arange(0, CHUNK)
+        whole, part = _listed(cls, step, HIDDEN + bh * T_M, hidden, i, inner, BY_KEYS, CHUNK)
+        whole_before, part_before = _listed(cls, step, HIDDEN + bh * T_M, hidden, i - 1, inner, BY_KEYS, CHUNK)
+        whole_after, part_after = _listed(cls, step, HIDDEN + bh * T_M, hidden, i + 1, inner, BY_KEYS, CHUNK)
+        n_kept = _runs(out, whole, whole & (whole_before == 0), whole & (whole_after == 0), i, n_kept)
+        n_part = _runs(out + 1 + 2 * inner, part, part & (part_before == 0), part & (part_after == 0), i, n_part)
     tl.store(out, n_kept)
-    tl.store(out + 1 + T_INNER, n_part)
+    tl.store(out + 1 + 2 * inner, n_part)
+
+
+@triton.jit
+def _listed(cls, step, hidden_at, hidden, i, inner, BY_KEYS: tl.constexpr, CHUNK: tl.constexpr):
+    # (kept whole, kept in part) for inner tiles i; False outside 0..inner-1
+    valid = (i >= 0) & (i < inner)
+    c = tl.load(cls + i * step, mask=valid, other=0)
+    if BY_KEYS:
+        h = tl.load(hidden_at + i, mask=valid, other=0)
+    else:
+        h = tl.zeros([CHUNK], tl.int32) + hidden  # a vector: the interpreter's masks want one
+    return valid & (c == 2), valid & ((c == 1) | ((c == 0) & (h != 0)))
+
+
+@triton.jit
+def _runs(out, on, starts, ends, i, n):
+    # append the runs of `on` (first tile, one past the last) after the n runs so far; a run begun in an
+    # earlier chunk ends in this one at index n - 1
+    k = n + tl.cumsum(starts.to(tl.int32), 0) - 1
+    tl.store(out + 1 + 2 * k, i, mask=starts)
+    tl.store(out + 2 + 2 * k, i + 1, mask=ends)
+    return n + tl.sum(starts.to(tl.int32), 0)
 """
 
 _KIND = {"add": 0, "keep": 1, "drop": 2}
+_CHUNK = 32  # tiles a tile_lists step looks at
 
 
 def list_launches(extra: torch.Tensor, kind: str, B: int, H: int, M: int, N: int, block_m: int, block_n: int,
-                  by_keys: tuple[bool, ...]) -> tuple[list, list]:
-    """The data mask's tile lists for the given orientations (False: per query block, True: per key block):
-    ([per orientation, its [B, H, T, 2, 1 + U] int32 lists, expanded where the mask broadcasts], the launches
-    that fill them, as (source, kernel name, grid, args, meta), to run before the attention kernel).  The
-    kernels run over the mask's own batch and head dims (1 where it broadcasts)."""
+                  by_keys: bool = False) -> tuple[list, list]:
+    """The data mask's tile lists: ([per query block, and with `by_keys` per key block, the [B, H, T, 2, 1 + 2U]
+    int32 lists of runs, expanded where the mask broadcasts], the launches that fill them, as (source, kernel name,
+    grid, args, meta), to run before the attention kernel).  The kernels run over the mask's own batch and
+    head dims (1 where it broadcasts)."""
     e = extra.reshape((1,) * (4 - extra.dim()) + tuple(extra.shape))
     be, he = e.shape[:2]
     e = e.expand(be, he, M, N)
     if e.dtype == torch.bool:
         e = e.view(torch.uint8)
     tm, tn = cdiv(M, block_m), cdiv(N, block_n)
-    strides = e.stride()
-    hidden = torch.empty((be * he, tm), dtype=torch.int32, device=extra.device)
-    meta = dict(KIND=_KIND[kind], BLOCK_M=block_m, BLOCK_N=block_n)
-    launches = [(BLOCK_LISTS_SOURCE, "hidden_rows", (tm, be * he), (e, *strides, hidden, he, M, N, tm), meta)]
+    new = functools.partial(torch.empty, dtype=torch.int32, device=extra.device)
+    classes = torch.empty((be * he, tm, tn), dtype=torch.int8, device=extra.device)
+    rows = torch.empty((be * he, tn, M), dtype=torch.int8, device=extra.device)
+    hidden = new((be * he, tm))
+    launches = [(BLOCK_LISTS_SOURCE, "tile_classes", (tm * tn, be * he), (e, *e.stride(), classes, rows, he, M, N, tm, tn),
+                 dict(KIND=_KIND[kind], BLOCK_M=block_m, BLOCK_N=block_n))]
     lists = []
-    for keys in by_keys:
+    for keys in (False, True) if by_keys else (False,):  # per query block first: it finds the hidden rows
         outer, inner = (tn, tm) if keys else (tm, tn)
-        blocks = torch.empty((be, he, outer, 2, 1 + inner), dtype=torch.int32, device=extra.device)
-        launches.append((BLOCK_LISTS_SOURCE, "tile_lists", (outer, be * he),
-                         (e, *strides, hidden, blocks, he, M, N, tm, inner), dict(meta, BY_KEYS=keys)))
+        blocks = new((be, he, outer, 2, 1 + 2 * inner))
+        launches.append((BLOCK_LISTS_SOURCE, "tile_lists", (outer, be * he), (classes, rows, hidden, blocks, M, tm, tn),
+                         dict(BY_KEYS=keys, BLOCK_M=block_m, CHUNK=_CHUNK)))
         lists.append(blocks.expand(B, H, *blocks.shape[2:]))
     return lists, launches
 
 
-def over_tiles(var: str, block: str, lo: str, hi: str, listed: str | None) -> list[str]:
-    """The header of a loop over tiles: `var` from lo to hi by `block`, or over the list at `blk + listed`
-    (`list_launches`: its count, then the tile indices)."""
+def over_tiles(var: str, block: str, lo: str, hi: str, listed: str | None, body: list[str]) -> list[str]:
+    """A loop over tiles running `body`: `var` from lo to hi by `block`, or over the runs of the list at
+    `blk + listed` (`list_launches`: the number of runs, then each run's first tile and one past its last)."""
     if listed is None:
-        return [f"for {var} in range({lo}, {hi}, {block}):"]
-    return [f"for i in range(0, tl.load(blk + {listed})):", f"    {var} = tl.load(blk + {listed} + 1 + i) * {block}"]
+        return [f"for {var} in range({lo}, {hi}, {block}):"] + ["    " + x for x in body]
+    return [f"for run in range(0, tl.load(blk + {listed})):",
+            f"    for {var} in range(tl.load(blk + {listed} + 1 + 2 * run) * {block}, "
+            f"tl.load(blk + {listed} + 2 + 2 * run) * {block}, {block}):"] + ["        " + x for x in body]
 
 
 def _extra_lines(mod: ScoreMod, full: bool) -> list[str]:
@@ -338,7 +382,7 @@ def attention_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0.0) 
             f"acc = tl.dot(p.to({p_dtype}), v, acc * alpha[:, None], input_precision=DOT_PRECISION)",
             "m_i = m_new",
         ]
-        return f"    # {what}\n{_indent(over_tiles('start_n', 'BLOCK_N', lo, hi, listed), 4)}\n{_indent(body, 8)}\n"
+        return f"    # {what}\n{_indent(over_tiles('start_n', 'BLOCK_N', lo, hi, listed, body), 4)}\n"
 
     # Key ranges: [lo, hi) is what any row of this query block may see (the rest is skipped);
     # inside it, [lo_full, hi_full) are the tiles every row sees whole, run without masks.
@@ -469,8 +513,7 @@ def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m:
     if not mod.data_mask:
         return args, []
     i, kind, _ = mod.data_mask
-    lists, launches = list_launches(extras[i], kind, B, Hq, M, N, block_m, block_n,
-                                    (False, True) if by_keys else (False,))
+    lists, launches = list_launches(extras[i], kind, B, Hq, M, N, block_m, block_n, by_keys)
     for blocks in lists:
         args += [blocks, *blocks.stride()[:4]]
     return args, launches

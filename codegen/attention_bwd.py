@@ -5,7 +5,8 @@ never reaches HBM in the backward either.  Two kernels, as FlashAttention-2: `at
 walks the query blocks for one key block (dK, dV), `attention_bwd_dq` walks the key blocks for one
 query block (dQ); each recomputes P.  The score chain's gradient is `ScoreMod.grad`: lines that set
 `g`, d(final scores)/d(scaled scores), from the forward's variables (the lines are recomputed
-first).  With GQA, dK and dV come out per query head in fp32 and are summed over the group after.
+first).  With GQA, a dK/dV program walks the query heads of its K/V head, summing on chip.  The gradients
+are stored in the inputs' dtype, rounded once.  delta = rowsum(dO * O) comes from a kernel of its own.
 Every tile of dQ, dK and dV is written by one program (no atomics), each element once.
 """
 from __future__ import annotations
@@ -82,7 +83,7 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0
                 f"vT = tl.load(v_base + offs_d[:, None] * stride_vd + k_idx * stride_vn{km}){upcast}"]
 
     def loop(var: str, lo: str, hi: str, block: str, body: list[str], what: str, listed: str | None = None) -> list[str]:
-        return [f"# {what}", *over_tiles(var, block, lo, hi, listed)] + ["    " + x for x in body]
+        return [f"# {what}", *over_tiles(var, block, lo, hi, listed, body)]
 
     # dK, dV: the query blocks that see key block start_n, [m_lo, m_hi); inside, [mf_lo, mf_hi) see it whole
     row_k = f"start_n - {off}" if off else "start_n"  # the first query position that sees key start_n
@@ -120,23 +121,17 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    H, GROUP, M, N, scale,
+    H, GROUP, M, N, STATS, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,"""
-    head = f"""bh = tl.program_id(1)
-b_idx = bh // H
-h_idx = bh % H
-b64 = b_idx.to(tl.int64)
+    # per query head: its Q, dO, statistics and extras (the dK/dV program walks the heads of its K/V head)
+    per_head = f"""b64 = b_idx.to(tl.int64)
 h64 = h_idx.to(tl.int64)
-kv64 = (h_idx // GROUP).to(tl.int64)
 q_base = Q + b64 * stride_qb + h64 * stride_qh
-do_base = DO + b64 * stride_ob + h64 * stride_oh  # dO has O's layout (contiguous, made so by the caller)
-k_base = K + b64 * stride_kb + kv64 * stride_kh
-v_base = V + b64 * stride_vb + kv64 * stride_vh
+do_base = DO + b64 * stride_ob + h64 * stride_oh
 row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima, then the logs of the row sums
-stats = tl.num_programs(1).to(tl.int64) * M
-{chr(10).join(extra_bases)}
-offs_d = tl.arange(0, BLOCK_D)
-d_ok = offs_d < HEAD_DIM""".split("\n") + (["seed = tl.load(SEED)  # dropout's, as the forward's"] if dropout else [])
+{chr(10).join(extra_bases)}""".split("\n")
+    common = ["stats = STATS  # B*Hq*M: LSE's second half, the logs of the row sums", "offs_d = tl.arange(0, BLOCK_D)",
+              "d_ok = offs_d < HEAD_DIM"] + (["seed = tl.load(SEED)  # dropout's, as the forward's"] if dropout else [])
 
     def dkdv_body(full: bool) -> list[str]:
         return [*q_tiles("start_m + tl.arange(0, BLOCK_M)", full), *scores(full),
@@ -167,21 +162,31 @@ d_ok = offs_d < HEAD_DIM""".split("\n") + (["seed = tl.load(SEED)  # dropout's, 
             *loop("start_n", "n_lo", "nf_lo", "BLOCK_N", dq_body(False), "key blocks at the window's edge: masked"),
             *loop("start_n", "nf_lo", "nf_hi", "BLOCK_N", dq_body(True), "key blocks the whole query block sees: no mask"),
             *loop("start_n", "nf_hi", "n_hi", "BLOCK_N", dq_body(False), "the diagonal's key blocks and the last past N: masked")]
-    dkdv = head + ["start_n = tl.program_id(0) * BLOCK_N"] + k_tiles("start_n + tl.arange(0, BLOCK_N)", False) + [
-        "dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)", "dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)", *dkdv_loops,
-        "out = (bh.to(tl.int64) * N + kn[:, None]) * BLOCK_D + offs_d[None, :]  # [B*Hq, N, BLOCK_D]",
-        "tl.store(DK + out, dk * scale, mask=kn[:, None] < N)",
-        "tl.store(DV + out, dv, mask=kn[:, None] < N)"]
-    dq = head + ["start_m = tl.program_id(0)"] + q_tiles("start_m * BLOCK_M + tl.arange(0, BLOCK_M)", False) + [
+    dkdv = ["bkv = tl.program_id(1)  # (batch, K/V head)", "HKV = H // GROUP", "b_idx = bkv // HKV",
+            "kv64 = (bkv % HKV).to(tl.int64)", "k_base = K + b_idx.to(tl.int64) * stride_kb + kv64 * stride_kh",
+            "v_base = V + b_idx.to(tl.int64) * stride_vb + kv64 * stride_vh", *common,
+            "start_n = tl.program_id(0) * BLOCK_N"] + k_tiles("start_n + tl.arange(0, BLOCK_N)", False) + [
+        "dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)", "dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)",
+        "for grp in range(0, GROUP):  # the query heads reading this K/V head (GQA): dK, dV summed here, on chip",
+        "    h_idx = (bkv % HKV) * GROUP + grp", "    bh = b_idx * H + h_idx",
+        *["    " + x for x in per_head + dkdv_loops],
+        "out = (bkv.to(tl.int64) * N + kn[:, None]) * HEAD_DIM + offs_d[None, :]  # [B, Hkv, N, D], K's dtype",
+        f"tl.store(DK + out, (dk * scale).to({_TL_DTYPE[dtype]}), mask=(kn[:, None] < N) & d_ok[None, :])",
+        f"tl.store(DV + out, dv.to({_TL_DTYPE[dtype]}), mask=(kn[:, None] < N) & d_ok[None, :])"]
+    dq = ["bh = tl.program_id(1)", "b_idx = bh // H", "h_idx = bh % H", "kv64 = (h_idx // GROUP).to(tl.int64)",
+          "k_base = K + b_idx.to(tl.int64) * stride_kb + kv64 * stride_kh",
+          "v_base = V + b_idx.to(tl.int64) * stride_vb + kv64 * stride_vh", *per_head, *common,
+          "start_m = tl.program_id(0)"] + q_tiles("start_m * BLOCK_M + tl.arange(0, BLOCK_M)", False) + [
         "dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)", *dq_loops,
-        "tl.store(DQ + (bh.to(tl.int64) * M + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * scale, mask=q_ok)"]
+        f"tl.store(DQ + (bh.to(tl.int64) * M + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], (dq * scale).to({_TL_DTYPE[dtype]}), "
+        "mask=q_ok & d_ok[None, :])  # [B, Hq, M, D], Q's dtype"]
     return f'''\
 # Generated by fuser.codegen.attention_bwd: FlashAttention-2 backward, {len(mod.lines)} score-mod line(s){f", dropout {dropout} (its mask drawn again from SEED)" if dropout else ""}.
 # head_dim {head_dim} (padded to {block_d}), {dtype}, fp32 accumulation; P recomputed from Q, K and the
 # forward's row maximum and log-sum, kept apart: exp(s - m - log l) is 1/N on a row a finite fill masks whole,
 # as in eager, where exp(s - lse) with lse = -1e36 + log N (rounded to -1e36) would be 1.
-# HBM bytes: dK/dV read Q, dO (and LSE, delta) once per key block, K, V once, write dK, dV (fp32);
-# dQ reads K, V once per query block, Q, dO once, writes dQ (fp32).  No M x N matrix is stored.
+# HBM bytes: dK/dV read Q, dO (and LSE, delta) once per key block, K, V once, write dK, dV (K's dtype, per
+# K/V head); dQ reads K, V once per query block, Q, dO once, writes dQ (Q's dtype).  No M x N matrix is stored.
 import triton
 import triton.language as tl
 {math_import("".join(mod.helpers) + "".join(mod.lines) + "".join(mod.grad or ()))}
@@ -205,29 +210,49 @@ def attention_bwd_dq(
 '''
 
 
+# delta = rowsum(dO * O) in fp32 (FlashAttention-2's D), a program per block of rows.
+# HBM bytes: O and dO read once (B*Hq*M*D*e each), delta written (B*Hq*M*4).
+DELTA_SOURCE = """\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attention_bwd_delta(O, DO, DELTA, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, sd_d, H, M, D,
+                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows[:, None] < M) & (cols[None, :] < D)
+    o = tl.load(O + b * so_b + h * so_h + rows[:, None] * so_m + cols[None, :] * so_d, mask=ok, other=0).to(tl.float32)
+    do = tl.load(DO + b * sd_b + h * sd_h + rows[:, None] * sd_m + cols[None, :] * sd_d, mask=ok, other=0).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * M + rows, tl.sum(o * do, 1), mask=rows < M)
+"""
+
+
 def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: float = 1.0, seed=None):
-    """Host side of the two launches: (dq, dk, dv buffers, [(name, grid)], args, meta, first: launches to run
-    before them, as `prepare`'s).  dout is
-    made contiguous like out; delta = rowsum(dO * O) in fp32 (FlashAttention-2's D).  `seed`: the
-    forward's dropout seed, for kernels made with dropout."""
+    """Host side of the backward: (dq, dk, dv, [(name, grid)] of the two kernels, their args and meta, first:
+    the launches to run before them, as `prepare`'s: delta = rowsum(dO * O), a data mask's tile lists).
+    dout is read in its own layout.  The gradients are q's, k's and v's shapes in their dtypes, contiguous.
+    `seed`: the forward's dropout seed, for kernels made with dropout."""
     B, Hq, M, D = q.shape
-    N = k.shape[2]
+    Hkv, N = k.shape[1], k.shape[2]
     block_m, block_n, num_warps, num_stages = attention_bwd_plan(D, q.dtype, q.is_cuda)
     block_d = max(16, next_pow2(D))
-    dout = dout.contiguous()
-    delta = (dout.float() * out.float()).sum(-1)
-    # each program owns the rows it stores, so the gradients are written in the inputs' dtype, rounded
-    # once; fp32 only where a padded head dim is cut after, or GQA's heads are summed after
-    whole = block_d == D
-    dq = torch.empty((B, Hq, M, block_d), dtype=q.dtype if whole else torch.float32, device=q.device)
-    kv_dtype = q.dtype if whole and Hq == k.shape[1] else torch.float32
-    dk = torch.empty((B, Hq, N, block_d), dtype=kv_dtype, device=q.device)
-    dv = torch.empty((B, Hq, N, block_d), dtype=kv_dtype, device=q.device)
-    extra_args, first = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, by_keys=True)
+    delta = torch.empty((B, Hq, M), dtype=torch.float32, device=q.device)
+    rows = 64 if q.is_cuda else 16
+    first = [(DELTA_SOURCE, "attention_bwd_delta", (cdiv(M, rows), B * Hq),
+              (out, dout, delta, *out.stride(), *dout.stride(), Hq, M, D), dict(BLOCK_M=rows, BLOCK_D=block_d))]
+    dq = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, N, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, N, D), dtype=v.dtype, device=q.device)
+    extra_args, lists = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, by_keys=True)
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    args = (q, k, v, dout, lse, delta, dq, dk, dv, dq if seed is None else seed, *extra_args, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            Hq, Hq // k.shape[1], M, N, float(scale))
+    args = (q, k, v, dout, lse, delta, dq, dk, dv, dq if seed is None else seed, *extra_args, *q.stride(), *k.stride(),
+            *v.stride(), *dout.stride(), Hq, Hq // Hkv, M, N, B * Hq * M, float(scale))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32",
                 num_warps=num_warps, num_stages=num_stages)
-    launches = [("attention_bwd_dkdv", (cdiv(N, block_n), B * Hq)), ("attention_bwd_dq", (cdiv(M, block_m), B * Hq))]
-    return dq, dk, dv, launches, args, meta, first
+    launches = [("attention_bwd_dkdv", (cdiv(N, block_n), B * Hkv)), ("attention_bwd_dq", (cdiv(M, block_m), B * Hq))]
+    return dq, dk, dv, launches, args, meta, first + lists

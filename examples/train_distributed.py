@@ -35,9 +35,14 @@ same seed, unwrapped, eager, AdamW, on the whole global batch) trains after the 
 the timings and peak memory are the distributed run's alone.
 """
 import argparse
+import cProfile
+import gzip
 import json
+import os
+import pstats
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -68,6 +73,11 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="rank 0 writes the results here as JSON")
+    p.add_argument("--trace", help="with --profile: each rank writes its profiled steps here as a gzipped Chrome "
+                   "trace, FILE.rank<r>.json.gz (the timeline: where the GPU waits, on what)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, 3 under torch.profiler and 3 under cProfile: rank 0 prints "
+                        "its kernels and its host's busiest functions")
     return p.parse_args(argv)
 
 
@@ -139,6 +149,48 @@ def train(model, ids, lr: float, steps: int, device: torch.device, world: int = 
     return losses, times, dict(first_step=first, later_steps=later) if later else None
 
 
+def profile(model, ids, device: torch.device, steps: int = 3, trace: str | None = None) -> dict:
+    """Where a step's time goes (rank 0's view): wall ms and GPU kernel ms a step, launches a step, and
+    the 15 kernels with the most GPU time.  Kernel time well under the wall means the host is the limit."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the same kernels' shapes; no weight moves
+    acts = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
+    sync(device)
+    with torch.profiler.profile(activities=acts) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            model(ids).backward()
+            opt.step()
+            opt.zero_grad()
+        sync(device)
+        wall = (time.perf_counter() - start) / steps
+    if trace:
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as z:
+            z.write(f.read())
+        os.remove(trace)
+    kernel = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ms = {e.key: e.self_device_time_total / 1e3 / steps for e in kernel}
+    launches = {e.key: e.count / steps for e in kernel}
+    top = sorted(ms, key=ms.get, reverse=True)[:15]
+    host = cProfile.Profile()  # the host's own time per function, no profiler hooks on the kernels
+    host.enable()
+    for _ in range(steps):
+        model(ids).backward()
+        opt.step()
+        opt.zero_grad()
+    sync(device)
+    host.disable()
+    stats = pstats.Stats(host).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:25]
+    ours = str(Path(fuser.__file__).parent.parent)  # fuser's and its codegen's functions, by cumulative time
+    cum = sorted((kv for kv in stats.items() if kv[0][0].startswith(ours)), key=lambda kv: -kv[1][3])[:20]
+    return dict(wall_ms=wall * 1e3, kernel_ms=sum(ms.values()), launches=sum(launches.values()),
+                top=[(k, ms[k], launches[k]) for k in top],
+                host=[(f"{Path(f).name}:{line}({name})", v[2] * 1e3 / steps, v[0] / steps) for (f, line, name), v in own],
+                ours=[(f"{Path(f).name}:{line}({name})", v[3] * 1e3 / steps, v[0] / steps) for (f, line, name), v in cum])
+
+
 def fusion(reports) -> dict:
     """What fuser did on rank 0 (the JSON's "fusion"): graphs compiled (backward ones among them),
     attention and losses claimed before autograd, regions fused in the forward and backward graphs,
@@ -171,6 +223,8 @@ def main(argv=None):
 
     model = wrap(build(size, args.seed, device, dtype), args.wrap, args.backend, size["bucket_mb"], device)
     losses, times, peak = train(model, ids.chunk(world)[rank], size["lr"], args.steps, device, world)
+    kernels = profile(model, ids.chunk(world)[rank], device, trace=f"{args.trace}.rank{rank}.json" if args.trace else None) \
+        if args.profile else None
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
     del model  # its memory, before rank 0's reference
@@ -186,7 +240,7 @@ def main(argv=None):
                   device=torch.cuda.get_device_name(device) if cuda else "cpu", world_size=world,
                   losses={"distributed": losses, "reference": reference}, rtol=TOLERANCE[dtype],
                   median_step_ms=median * 1e3, peak_mib=peaks, compile_s=times[0] - median,
-                  fusion=fusion(fuser.reports()) if args.backend == "fuser" else None)
+                  fusion=fusion(fuser.reports()) if args.backend == "fuser" else None, kernels=kernels)
     print(f"{args.wrap} + {args.backend}: {world} x {result['device']}, {result['dtype']}, size {args.size}")
     print(f"{'step':>4}  {'distributed':>12}  {'reference':>12}  {'rel diff':>9}  {'ms':>9}")
     for step, (d, r, t) in enumerate(zip(losses, reference, times)):
@@ -195,6 +249,17 @@ def main(argv=None):
           f"{result['compile_s']:.1f} s (first step less the median), peak MiB per rank {peaks}")
     if result["fusion"]:
         print("fuser:", result["fusion"])
+    if kernels:
+        print(f"profiled: wall {kernels['wall_ms']:.1f} ms, kernels {kernels['kernel_ms']:.1f} ms, "
+              f"{kernels['launches']:.0f} launches a step; the largest (name, ms, launches a step):")
+        for row in kernels["top"]:
+            print(f"  {row[1]:8.3f}  {row[2]:5.0f}  {row[0][:110]}")
+        print("host (cProfile, own ms and calls a step):")
+        for row in kernels["host"]:
+            print(f"  {row[1]:8.3f}  {row[2]:6.0f}  {row[0][:110]}")
+        print("fuser's functions (cumulative ms and calls a step):")
+        for row in kernels["ours"]:
+            print(f"  {row[1]:8.3f}  {row[2]:6.0f}  {row[0][:110]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -19,7 +19,7 @@ import torch
 from . import ops
 from .dtypes import compute_dtype, convert, target
 from .plan import block_plan
-from .runtime import load, run_interpreted
+from .runtime import call_directly, load, run_interpreted
 
 
 def new_seed(device) -> torch.Tensor:
@@ -76,6 +76,7 @@ def _backward(ctx, grad):
 
 
 dropout_op.register_autograd(_backward, setup_context=_setup_context)
+call_directly(dropout_op)
 
 
 # ------------------------------------------------------------------ the kernel run where no region took the op

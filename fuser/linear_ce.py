@@ -29,7 +29,7 @@ from fuser.codegen.cross_entropy import KERNEL, SLICE_KERNEL, prepare, prepare_s
 
 from . import dtypes
 from .plan import next_pow2
-from .runtime import run_kernels
+from .runtime import call_directly, launch
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -135,7 +135,7 @@ def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         xc = x2[lo:hi]
         logits = torch.addmm(bias, xc, weight.t()) if bias is not None else torch.mm(xc, weight.t())
         grid, args, meta = prepare(logits, t[lo:hi], row_loss[lo:hi], lse[lo:hi], **ce)
-        run_kernels(source, [(KERNEL, grid)], args, meta, x.device.type)
+        launch(source, KERNEL, grid, args, meta, x.device.type)
         torch.mm(logits, weight, out=grad_x[lo:hi])  # logits now hold their gradient
         if step >= n:  # one chunk: the whole gradient, written once in the weight's dtype
             torch.mm(logits.t(), xc, out=grad_w)
@@ -148,7 +148,7 @@ def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
             w = weight[v0:v1]
             logits = torch.addmm(bias[v0:v1], x2, w.t()) if bias is not None else torch.mm(x2, w.t())
             grid, args, meta = prepare_slice(logits, t, lse, n_classes, v0, **ce)
-            run_kernels(source, [(SLICE_KERNEL, grid)], args, meta, x.device.type)
+            launch(source, SLICE_KERNEL, grid, args, meta, x.device.type)
             torch.mm(logits.t(), x2, out=grad_w[v0:v1])
             if bias is not None:
                 grad_b[v0:v1].copy_(logits.sum(0, dtype=torch.float32))
@@ -180,3 +180,4 @@ def _backward(ctx, grad_loss, *_):
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
+call_directly(linear_cross_entropy_op)

@@ -45,7 +45,7 @@ from fuser.patterns.attention import safe_rows, dropout_site, extra_forms, find,
 from .dropout import check as check_dropout, dropout_op
 from .dtypes import target
 from .linear_ce import linear_cross_entropy_op
-from .runtime import run_attention, run_first, run_kernels
+from .runtime import call_directly, run_attention, run_kernels
 
 aten = torch.ops.aten
 
@@ -145,6 +145,9 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
         traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax, aten.dropout]))(*values)
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
     notes = _claim_attention(traced, example_inputs) if attention else []
+    if "attention" in wanted and not notes:
+        notes.append("attention in training left to its ops: a softmax feeds a matmul, but no attention was recognised "
+                     "there (patterns/attention.py: Q @ K^T, a score chain, softmax, @ V, over a static head dim)")
     if any(safe_rows(n) for n in traced.graph.nodes):
         # SDPA's math path, decomposed by the trace (_safe_softmax) and not claimed back: its decomposed
         # backward gives NaN on a row whose every key is -inf, where eager's gives 0.  Traced again
@@ -389,14 +392,10 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     seed = _check_dropout(q, dropout, seeds)
     m = _MODS[mod]
     source = _source(attention_bwd_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
-    dq, dk, dv, launches, args, meta_args, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
-                                                               scale=scale, seed=seed)
-    run_first(first, q.device.type)
-    run_kernels(source, launches, args, meta_args, q.device.type)
-    d, (b, hkv, n) = q.shape[-1], k.shape[:3]
-    if q.shape[1] != hkv:  # per query head: summed over the heads sharing a K/V head
-        dk, dv = (x[..., :d].view(b, hkv, -1, n, d).sum(2) for x in (dk, dv))
-    return dq[..., :d].to(q.dtype), dk[..., :d].to(k.dtype), dv[..., :d].to(v.dtype)
+    dq, dk, dv, launches, args, meta, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
+                                                          scale=scale, seed=seed)
+    run_kernels(first + [(source, name, grid, args, meta) for name, grid in launches], q.device.type)
+    return dq, dk, dv
 
 
 @flash_attention_backward_op.register_fake
@@ -418,3 +417,5 @@ def _backward(ctx, dout, _dlse):
 
 
 flash_attention_op.register_autograd(_backward, setup_context=_setup)
+call_directly(flash_attention_op)
+call_directly(flash_attention_backward_op)

@@ -185,31 +185,50 @@ class Launcher:
     def __init__(self, fn, meta: dict, device_type: str):
         self.fn, self.meta = fn, meta
         self.interpreted = interpreted(device_type)
-        self.constexprs = tuple(v for k, v in meta.items() if k != "num_warps")  # in parameter order
+        self.constexprs = tuple(meta[a] for a in fn.arg_names if a in meta)  # in parameter order
         self.compiled: dict = {}
         self.aligned = None  # the compiled kernel for tensor arguments all 16-byte aligned, no ints
 
-    def __call__(self, grid: int, *args):
+    def __call__(self, grid, *args):
+        """grid: the number of programs, or a tuple of up to 3."""
         if self.interpreted:
-            run_interpreted(self.fn, (grid,), *args, **self.meta)
+            run_interpreted(self.fn, grid if isinstance(grid, tuple) else (grid,), *args, **self.meta)
             return
         key = tuple([a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else _int_spec(a) for a in args])
         compiled = self.compiled.get(key)
         if compiled is not None and _no_launch_hooks():
             run_compiled(compiled, grid, _current_device(), args, self.constexprs)
             return
-        compiled = self.fn[(grid,)](*args, **self.meta)
+        compiled = self.fn[grid if isinstance(grid, tuple) else (grid,)](*args, **self.meta)
         if hasattr(compiled, "packed_metadata"):
             self.compiled[key] = compiled
             if all(k is True for k in key):
                 self.aligned = compiled
 
 
-def run_compiled(compiled, grid: int, device_index: int, args, constexprs):
+def run_compiled(compiled, grid, device_index: int, args, constexprs):
     """Launches a kernel Triton's JIT compiled, on the current stream of `device_index`, without the
-    JIT's argument binding: the one place that speaks the compiled launcher's calling convention."""
-    compiled.run(grid, 1, 1, _raw_stream(device_index), compiled.function, compiled.packed_metadata,
+    JIT's argument binding: the one place that speaks the compiled launcher's calling convention.
+    grid: the number of programs, or a tuple of up to 3."""
+    x, y, z = (grid, 1, 1) if grid.__class__ is int else (*grid, 1, 1)[:3]
+    compiled.run(x, y, z, _raw_stream(device_index), compiled.function, compiled.packed_metadata,
                  None, None, None, *args, *constexprs)
+
+
+_launchers: dict = {}
+
+
+def launch(source: str, name: str, grid, args, meta: dict, device_type: str):
+    """Launch kernel `name` of `source` on `args` with the meta-parameters `meta` (constexprs, num_warps,
+    num_stages) through a Launcher kept per kernel, meta, tensor dtypes and device: the attention kernels
+    and their tile lists, whose host side (`prepare`) works out grid, arguments and meta per call, launch
+    as the regions do once compiled (Launcher), not through the JIT's argument binding."""
+    key = (source, name, tuple(meta.items()), tuple([a.dtype for a in args if isinstance(a, torch.Tensor)]),
+           _current_device() if device_type == "cuda" else None)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        launcher = _launchers[key] = Launcher(load(source, name, device_type), meta, device_type)
+    launcher(grid, *args)
 
 
 def _no_launch_hooks() -> bool:
@@ -594,7 +613,7 @@ class AttentionKernel(torch.nn.Module):
 
     def __init__(self, name: str, source: str, prepare, in_shapes, in_dtypes, out_dtype, describe: str):
         super().__init__()
-        self.name, self.source, self.prepare, self.kernel = name, source, prepare, None
+        self.name, self.source, self.prepare = name, source, prepare
         self.in_shapes, self.in_dtypes, self.out_dtype, self.describe = in_shapes, in_dtypes, out_dtype, describe
 
     def forward(self, q, k, v, *extras):
@@ -603,10 +622,7 @@ class AttentionKernel(torch.nn.Module):
                     w.is_Integer and g != int(w) for g, w in zip(t.shape, want)):
                 raise RuntimeError(f"{self.name}: input {i} is {tuple(t.shape)} {t.dtype}, made for "
                                    f"{want} {dt}; recapture for new shapes")
-        kernel = self.kernel
-        if kernel is None:  # loaded once, at the first call (the device is known then)
-            kernel = self.kernel = load(self.source, "attention_fwd", q.device.type)
-        out, _ = _launch_attention(kernel, self.prepare, q, k, v, extras)
+        out, _ = run_attention(self.source, self.prepare, q, k, v, extras)
         return (out if out.dtype == self.out_dtype else out.to(self.out_dtype),)
 
     def __call__(self, *inputs):  # straight to forward: no hook machinery on the launch path
@@ -623,36 +639,18 @@ class AttentionKernel(torch.nn.Module):
 
 
 def run_attention(source: str, prepare, q, k, v, extras=(), **kwargs):
-    """Load the attention kernel `attention_fwd` in `source` and launch it as `prepare` says;
-    returns (out, lse)."""
-    return _launch_attention(load(source, "attention_fwd", q.device.type), prepare, q, k, v, extras, **kwargs)
-
-
-def run_kernels(source: str, launches, args, meta: dict, device_type: str):
-    """Launch, in order, the kernels `launches` [(name, grid)] of `source` on the same arguments (the
-    attention backward's two)."""
-    for name, grid in launches:
-        kernel = load(source, name, device_type)
-        if device_type == "cuda":
-            kernel[grid](*args, **meta)
-        else:
-            run_interpreted(kernel, grid, *args, **meta)
-
-
-def run_first(launches, device_type: str):
-    """The launches `prepare` asks for before its kernel: (source, kernel name, grid, args, meta) each."""
-    for source, name, grid, args, meta_args in launches:
-        run_kernels(source, [(name, grid)], args, meta_args, device_type)
-
-
-def _launch_attention(kernel, prepare, q, k, v, extras, **kwargs):
-    out, lse, grid, args, meta_args, first = prepare(q, k, v, extras, **kwargs)
-    run_first(first, q.device.type)
-    if q.is_cuda:
-        kernel[grid](*args, **meta_args)
-    else:
-        run_interpreted(kernel, grid, *args, **meta_args)
+    """Launch the attention kernel `attention_fwd` in `source` as `prepare` says (after the launches it
+    asks for first: a data mask's tile lists); returns (out, lse)."""
+    out, lse, grid, args, meta, first = prepare(q, k, v, extras, **kwargs)
+    run_kernels(first, q.device.type)
+    launch(source, "attention_fwd", grid, args, meta, q.device.type)
     return out, lse
+
+
+def run_kernels(launches, device_type: str):
+    """Launch, in order, `launches`: (source, kernel name, grid, args, meta) each (a `prepare`'s)."""
+    for source, name, grid, args, meta_args in launches:
+        launch(source, name, grid, args, meta_args, device_type)
 
 
 # ---------------------------------------------------------------------------------------- the wrapper
@@ -705,6 +703,13 @@ _BINDINGS = {
     aten._scaled_dot_product_cudnn_attention.default: torch._scaled_dot_product_cudnn_attention,
     aten._scaled_dot_product_flash_attention_for_cpu.default: torch._scaled_dot_product_flash_attention_for_cpu,
 }
+
+
+def call_directly(op) -> None:
+    """fuser's own custom op `op` (a torch.library CustomOpDef), called by the wrapper as its Python function,
+    past the dispatcher and its aliasing check (our ops return new tensors): the graphs that hold these ops
+    are AOT Autograd's, run with gradients off, so the op's autograd glue has nothing to do there."""
+    _BINDINGS[op._opoverload] = op._init_fn
 
 
 def fast_calls(graph) -> int:

@@ -16,7 +16,7 @@ import torch
 from fuser.attention import flash_attention
 from fuser.codegen.attention import ScoreMod, attention_source, list_launches
 from fuser.dropout import dropout as fuser_dropout
-from fuser.runtime import load, run_first
+from fuser.runtime import load, run_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("FUSER_TEST_DEVICE") == "cuda" else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -385,15 +385,18 @@ def test_dropout_on_the_probabilities(dtype, p):
 def block_lists(mask, kind, M, N, block_m, block_n, by_keys=False):
     """The data mask's tile lists, as the kernels get them (`list_launches` run first)."""
     e = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    lists, launches = list_launches(mask, kind, e.shape[0], e.shape[1], M, N, block_m, block_n, (by_keys,))
-    run_first(launches, DEVICE)
-    return lists[0].cpu()
+    lists, launches = list_launches(mask, kind, e.shape[0], e.shape[1], M, N, block_m, block_n, by_keys)
+    run_kernels(launches, DEVICE)
+    return lists[-1].cpu()
 
 
 def _listed(blocks, row, which):
-    """The tile indices on list `which` (0: kept whole, 1: kept in part) of one row of `block_lists`."""
-    n = blocks[row][which][0].item()
-    return sorted(blocks[row][which][1:1 + n].tolist())
+    """The tile indices on list `which` (0: kept whole, 1: kept in part) of one row of `block_lists`, its runs
+    (first tile, one past the last) expanded; runs are ascending, apart and not empty."""
+    runs = blocks[row][which]
+    pairs = [(runs[1 + 2 * r].item(), runs[2 + 2 * r].item()) for r in range(runs[0].item())]
+    assert all(a < b for a, b in pairs) and all(b < a for (_, b), (a, _) in zip(pairs, pairs[1:])), pairs
+    return [t for a, b in pairs for t in range(a, b)]
 
 
 def test_data_mask_tile_lists():
@@ -420,6 +423,67 @@ def test_data_mask_tile_lists():
     assert _listed(blocks[0, 0], 0, 0) == [0, 1] and _listed(blocks[0, 0], 0, 1) == [2]  # tile 2 crosses N
     assert _listed(blocks[0, 0], 2, 0) == [] and _listed(blocks[0, 0], 2, 1) == [0, 1, 2]  # block 2 crosses M
     assert _listed(blocks[1, 0], 0, 0) == [0] and _listed(blocks[1, 0], 0, 1) == [1]  # keys 32.. skipped
+
+
+def expected_lists(hidden, block_m, block_n, by_keys):
+    """The lists `tile_lists` must give for one [M, N] boolean `hidden` (True: masked), worked out in Python:
+    per outer block, the inner tiles kept whole (inside M and N, nothing masked) and those kept in part
+    (something kept, or anything at all where the query block holds a row that keeps no key)."""
+    M, N = hidden.shape
+    tm, tn = -(-M // block_m), -(-N // block_n)
+    lost = [bool(hidden[i * block_m:(i + 1) * block_m].all(1).any()) for i in range(tm)]
+    lists = {}
+    for mb in range(tm):
+        for nb in range(tn):
+            tile = hidden[mb * block_m:(mb + 1) * block_m, nb * block_n:(nb + 1) * block_n]
+            inside = (mb + 1) * block_m <= M and (nb + 1) * block_n <= N
+            cls = 0 if (inside and not tile.any()) else 1 if (not tile.all() or lost[mb]) else None
+            outer, inner = (nb, mb) if by_keys else (mb, nb)
+            lists.setdefault(outer, ([], []))
+            if cls is not None:
+                lists[outer][cls].append(inner)
+    return lists
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_data_mask_tile_lists_random(seed):
+    """Random masks (causal with padding, random holes, whole rows and key blocks hidden) at odd sizes: the
+    lists per query block and per key block equal the Python reference's, as a boolean keep, boolean drop and
+    additive mask."""
+    g = torch.Generator().manual_seed(seed)
+    M, N = (int(x) for x in torch.randint(20, 140, (2,), generator=g))
+    block_m, block_n = [(16, 16), (32, 16), (16, 32), (64, 32)][seed]
+    pos_q, pos_k = torch.arange(M)[:, None], torch.arange(N)[None, :]
+    hidden = (pos_k > pos_q + int(torch.randint(0, N, (), generator=g))) | (pos_k < int(torch.randint(0, 30, (), generator=g)))
+    hidden |= torch.rand(M, N, generator=g) < 0.02  # holes: partial tiles anywhere
+    hidden[int(torch.randint(0, M, (), generator=g))] = True  # a row that keeps no key
+    hidden[:, N // 2:N // 2 + 20] = True  # a band of keys hidden from every row
+    masks = {"keep": ~hidden, "drop": hidden, "add": hidden.float() * torch.finfo(torch.float32).min}
+    for by_keys in (False, True):
+        want = expected_lists(hidden, block_m, block_n, by_keys)
+        for kind, mask in masks.items():
+            got = block_lists(mask.to(DEVICE), kind, M, N, block_m, block_n, by_keys)[0, 0]
+            for outer, (whole, part) in want.items():
+                assert (_listed(got, outer, 0), _listed(got, outer, 1)) == (whole, part), (kind, by_keys, outer)
+
+
+def test_backward_reads_the_output_gradient_in_its_own_layout():
+    """dO arrives strided (the output transposed after the attention, as models do before their output
+    projection) and Q, K, V are views of one packed projection: the gradients still equal fp64 autograd's, GQA
+    summed on chip, a padded head dim, causal."""
+    torch.manual_seed(31)
+    B, Hq, Hkv, M, D = 2, 6, 2, 41, 24
+    packed = rand(B, M, (Hq + 2 * Hkv) * D).view(B, M, Hq + 2 * Hkv, D).transpose(1, 2)
+    q, k, v = packed[:, :Hq], packed[:, Hq:Hq + Hkv], packed[:, Hq + Hkv:]
+    w = rand(B, M, Hq, D)
+    mod = ScoreMod((), causal=True)
+    got = _grads(lambda q, k, v: flash_attention(q, k, v, scale=0.3, mod=mod).transpose(1, 2), w, q, k, v)
+    want = _grads(lambda q, k, v: reference(q, k, v, 0.3, causal=True)[0].transpose(1, 2), w,
+                  q.double(), k.double(), v.double())
+    for g, w_ in zip(got, want):
+        assert g.shape == w_.shape
+        torch.testing.assert_close(g.double(), w_, atol=BWD_TOL[torch.float32] * w_.abs().max().item(),
+                                   rtol=BWD_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -42,7 +42,8 @@ def test_two_ranks_follow_the_reference(wrap, device, tmp_path):
         env["CUDA_VISIBLE_DEVICES"] = ""
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                           str(SCRIPT), "--wrap", wrap, "--backend", "fuser", "--size", "tiny", "--steps", "3",
-                          "--out", str(out)], capture_output=True, text=True, env=env, timeout=240)
+                          "--out", str(out)] + (["--profile", "--trace", str(tmp_path / "trace")] if wrap == "fsdp2" else []),
+                         capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     result = json.loads(out.read_text())
     assert (result["wrap"], result["backend"], result["world_size"]) == (wrap, "fuser", 2)
@@ -66,3 +67,8 @@ def test_two_ranks_follow_the_reference(wrap, device, tmp_path):
     assert fusion["fused_losses"] == 1 and fusion["fused_attention"] >= 1, fusion
     assert result["median_step_ms"] > 0 and result["compile_s"] >= 0
     assert all((p is not None) == on_gpus for p in result["peak_mib"]), result["peak_mib"]
+    if wrap == "fsdp2":  # --profile: the step's wall time, the host's busiest functions (fuser's among them), a
+        # trace per rank
+        kernels = result["kernels"]
+        assert kernels["wall_ms"] > 0 and kernels["host"] and any("runtime.py" in r[0] for r in kernels["ours"]), kernels
+        assert all((tmp_path / f"trace.rank{r}.json.gz").stat().st_size > 0 for r in range(2))

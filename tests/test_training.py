@@ -286,6 +286,50 @@ def test_bloom_attention_in_training_is_left_with_its_reason(device):
     assert any("left to its ops" in n and "autograd_function_apply" in n for n in notes), notes
 
 
+def test_our_ops_are_called_as_python_functions_in_the_program(device):
+    """The forward and backward programs call fuser's own custom ops (attention here) as their Python
+    functions, past the dispatcher, in a graph with no fused region too; gradients stay eager's."""
+    def attention(q, k, v):
+        s = 5.0 * torch.tanh((q @ k.transpose(-1, -2)) * 0.3 / 5.0)  # soft-capped: our kernel, not SDPA
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        return torch.softmax(s, -1) @ v
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 3, 37, 16, device=device, requires_grad=True) for _ in range(3))
+    w = torch.randn(2, 3, 37, 16, device=device)
+    got = torch.autograd.grad((torch.compile(attention, backend="fuser")(q, k, v) * w).sum(), (q, k, v))
+    want = torch.autograd.grad((attention(q, k, v) * w).sum(), (q, k, v))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, **tol(torch.float32))
+    forward, backward = ("\n".join(r.code) for r in fuser.reports()[-2:])
+    assert "fuser_pregrad_flash_attention_op(" in forward and "fuser_pregrad_flash_attention_backward_op(" in backward
+    assert "torch.ops.fuser" not in forward + backward
+
+
+def test_attention_over_a_head_dim_that_varies_is_left_with_its_reason(device):
+    """The same attention code called with a second head dim: Dynamo recompiles with the head dim symbolic, which
+    the recogniser does not take (a kernel is made for one head dim).  The second graph's notes say the
+    attention was left to its ops and why (no silent stop), and its gradients are eager's; the first graph's
+    attention was claimed."""
+    def attention(q, k, v):
+        s = (q @ k.transpose(-1, -2)) * 0.3
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        return torch.softmax(s, -1) @ v
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend="fuser")
+    for i, (s, d) in enumerate([(37, 16), (45, 24)]):
+        q, k, v = (torch.randn(2, 3, s, d, device=device, requires_grad=True) for _ in range(3))
+        w = torch.randn(2, 3, s, d, device=device)
+        got = torch.autograd.grad((compiled(q, k, v) * w).sum(), (q, k, v))
+        want = torch.autograd.grad((attention(q, k, v) * w).sum(), (q, k, v))
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, **tol(torch.float32))
+        notes = fuser.reports()[-2].notes  # the forward graph's (the backward's comes after it)
+        if i == 0:
+            assert any(n.startswith("attention claimed before autograd") for n in notes), notes
+        else:
+            assert any("left to its ops" in n and "static head dim" in n for n in notes), notes
+
+
 class _DropoutBlock(torch.nn.Module):
     """Linear -> dropout -> residual add -> LayerNorm, as a transformer's sublayer writes it."""
 
