@@ -108,6 +108,9 @@ class ScoreMod:
     # "drop": where(extra, fill, s) or masked_fill(s, extra, fill).  Its tiles are classed per call
     # (`list_launches`) and the kernel walks the lists: masked tiles skipped, kept ones run without it.
     data_mask: tuple[int, str, torch.dtype] | None = None  # (i, kind, the extra's dtype)
+    # (i, lines setting g{i} = d(final s)/d(extra i)) per extra that needs a gradient (a learned bias): the
+    # backward's dQ kernel adds P * (dP - delta) * g{i} into its gradient; lines None: no rule, no kernel
+    bias_grads: tuple[tuple[int, tuple[str, ...] | None], ...] = ()
 
     def form(self, i: int):
         return self.forms[i] if i < len(self.forms) else None

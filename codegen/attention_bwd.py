@@ -28,7 +28,7 @@ class NoGradient(ValueError):
 def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0.0) -> str:
     """Triton source of `attention_bwd_dkdv` and `attention_bwd_dq` for one score mod, head dim, dtype;
     `dropout` as the forward's (its mask drawn again from the same seed and counters)."""
-    if mod.lines and mod.grad is None:
+    if mod.lines and mod.grad is None or any(lines is None for _, lines in mod.bias_grads):
         raise NoGradient("attention backward: the score modification has no gradient")
     block_d = max(16, next_pow2(head_dim))
     upcast = ".to(tl.float32)" if interpreting() and dtype == torch.bfloat16 else ""
@@ -48,6 +48,8 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0
         if mod.lines:
             lines += _extra_lines(mod, full) + ["# score mod"] + [x.strip() for x in mod.lines]
             lines += ["# its gradient: g = d(scores after the mod) / d(scores before)"] + [x.strip() for x in mod.grad]
+            for i, grad in mod.bias_grads:  # a learned bias's derivative, d(final s)/d(extra i)
+                lines += [f"# d(scores after the mod) / d(extra{i})"] + [x.strip() for x in grad]
         else:
             lines.append("g = 1.0")
         if not full:
@@ -114,8 +116,11 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0
                            for i in range(mod.n_extra))
     if mod.data_mask:  # the data mask's tile lists: per query block (dQ), per key block (dK, dV)
         extra_params += "BLOCKS_Q, bq_sb, bq_sh, bq_st, bq_sk,\n    BLOCKS_K, bk_sb, bk_sh, bk_st, bk_sk,\n    "
+    extra_params += "".join(f"DB{i}, db{i}_s0, db{i}_s1, db{i}_s2, db{i}_s3,\n    " for i, _ in mod.bias_grads)
     extra_bases = [f"extra{i}_base = extra{i}_ptr + b64 * extra{i}_s0 + h64 * extra{i}_s1" for i in range(mod.n_extra)]
     extra_bases += [mod.form(i).setup(i) for i in range(mod.n_extra) if hasattr(mod.form(i), "setup")]
+    extra_bases += [f"db{i}_base = DB{i} + b64 * db{i}_s0 + h64 * db{i}_s1  # extra {i}'s gradient, fp32"
+                    for i, _ in mod.bias_grads]
     params = f"""Q, K, V, DO, LSE, DELTA, DQ, DK, DV, SEED,
     {extra_params}stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -139,8 +144,12 @@ row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima
                 f"dk += tl.dot(tl.trans(ds.to({low})), q, input_precision=DOT_PRECISION)"]
 
     def dq_body(full: bool) -> list[str]:
+        # a learned bias's gradient: P * (dP - delta) * d(final s)/d(bias), summed (atomically) over where it
+        # broadcasts; each tile once, here, where the program owns its query rows
+        bias = [f"tl.atomic_add(db{i}_base + q_idx * db{i}_s2 + k_idx * db{i}_s3, "
+                f"tl.where(p == 0.0, 0.0, p * (dp - delta[:, None]) * g{i}), mask=q_ok & k_ok)" for i, _ in mod.bias_grads]
         return [*k_tiles("start_n + tl.arange(0, BLOCK_N)", full), *scores(full),
-                f"dq += tl.dot(ds.to({low}), tl.trans(kT), input_precision=DOT_PRECISION)"]
+                f"dq += tl.dot(ds.to({low}), tl.trans(kT), input_precision=DOT_PRECISION)", *bias]
 
     if mod.data_mask:  # the tiles the data mask keeps (whole, then in part), listed per call; the rest skipped
         dkdv_loops = [
@@ -233,7 +242,8 @@ def attention_bwd_delta(O, DO, DELTA, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, 
 
 
 def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: float = 1.0, seed=None):
-    """Host side of the backward: (dq, dk, dv, [(name, grid)] of the two kernels, their args and meta, first:
+    """Host side of the backward: (dq, dk, dv, the gradients of the extras `mod.bias_grads` names (fp32, their
+    shapes), [(name, grid)] of the two kernels, their args and meta, first:
     the launches to run before them, as `prepare`'s: delta = rowsum(dO * O), a data mask's tile lists).
     dout is read in its own layout.  The gradients are q's, k's and v's shapes in their dtypes, contiguous.
     `seed`: the forward's dropout seed, for kernels made with dropout."""
@@ -249,10 +259,15 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     dk = torch.empty((B, Hkv, N, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, Hkv, N, D), dtype=v.dtype, device=q.device)
     extra_args, lists = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, by_keys=True)
+    dextras = []  # a learned bias's gradient: fp32, its own shape (the kernel sums over where it broadcasts)
+    for i, _ in mod.bias_grads:
+        e = extras[i]
+        dextras.append(torch.zeros(e.shape, dtype=torch.float32, device=q.device))
+        extra_args += [dextras[-1], *dextras[-1].reshape((1,) * (4 - e.dim()) + tuple(e.shape)).expand(B, Hq, M, N).stride()]
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     args = (q, k, v, dout, lse, delta, dq, dk, dv, dq if seed is None else seed, *extra_args, *q.stride(), *k.stride(),
             *v.stride(), *dout.stride(), Hq, Hq // Hkv, M, N, B * Hq * M, float(scale))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32",
                 num_warps=num_warps, num_stages=num_stages)
     launches = [("attention_bwd_dkdv", (cdiv(N, block_n), B * Hkv)), ("attention_bwd_dq", (cdiv(M, block_m), B * Hq))]
-    return dq, dk, dv, launches, args, meta, first + lists
+    return dq, dk, dv, dextras, launches, args, meta, first + lists

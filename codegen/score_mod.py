@@ -34,10 +34,13 @@ def _reciprocal(n, expr: str) -> str:
     return f"({m.group(1)} * {1.0 / float(c)!r})" if m else expr
 
 
-def score_mod(scores, chain: list, extras: list, cg, structure: tuple | None = None, forms: tuple = ()) -> ScoreMod:
+def score_mod(scores, chain: list, extras: list, cg, structure: tuple | None = None, forms: tuple = (),
+              learned: tuple[int, ...] = ()) -> ScoreMod:
     """The lines; with `structure` (offset o, window w: the chain masks every key past q + o, and
     with w every key at q + o - k >= w) the kernel also applies that mask itself and skips the tiles
-    it empties.  `forms`: the extras computed from the indices instead of loaded (patterns)."""
+    it empties.  `forms`: the extras computed from the indices instead of loaded (patterns).
+    `learned`: the extras that need a gradient (a learned bias): each gets its derivative's lines,
+    or None where the chain has no rule for it."""
     names = {scores: "s"}
     dtypes = {"s": torch.float32}
     for i, e in enumerate(extras):
@@ -60,7 +63,8 @@ def score_mod(scores, chain: list, extras: list, cg, structure: tuple | None = N
     offset, window = structure or (0, None)
     return ScoreMod(tuple(lines), n_extra=len(extras), helpers=used, causal=structure is not None,
                     causal_offset=offset, window=window, forms=tuple(forms), grad=_gradient(scores, chain, names),
-                    data_mask=None if structure else _data_mask(scores, chain, extras, forms))
+                    data_mask=None if structure else _data_mask(scores, chain, extras, forms),
+                    bias_grads=tuple((i, _gradient(extras[i], chain, names, f"g{i}")) for i in learned))
 
 
 def _dead(x) -> bool:
@@ -111,11 +115,12 @@ _ONE = {aten._to_copy, aten.clone, aten.alias, torch.ops.prims.convert_element_t
 _BEFORE = _ONE | {aten.mul, aten.div, aten.add, aten.sub, aten.neg, aten.tanh}
 
 
-def _gradient(scores, chain: list, names: dict) -> tuple[str, ...] | None:
-    """Lines setting g = d(last chain value)/d(scores), the product of each op's derivative along
-    the path from the scores (the forward's lines have run: their variables hold the values); None
-    where an op has no rule here or reads the path twice (s * s)."""
-    path, lines = {scores}, ["g = 1.0"]
+def _gradient(scores, chain: list, names: dict, var: str = "g") -> tuple[str, ...] | None:
+    """Lines setting `var` = d(last chain value)/d(scores), the product of each op's derivative along
+    the path from the scores (or from an extra the chain reads: a learned bias's); the forward's lines
+    have run, their variables hold the values.  None where an op has no rule here or reads the path
+    twice (s * s)."""
+    path, lines = {scores}, [f"{var} = 1.0"]
     if not chain:
         return tuple(lines)
 
@@ -156,6 +161,6 @@ def _gradient(scores, chain: list, names: dict) -> tuple[str, ...] | None:
         else:
             return None
         if d is not None:
-            lines.append(f"g = g * {d}")
+            lines.append(f"{var} = {var} * {d}")
         path.add(n)
     return tuple(lines) if chain[-1] in path else None

@@ -178,7 +178,7 @@ def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:
     learned = _needing_grad(traced.graph, example_inputs)
     data = _from_tensors(traced.graph)
     for a in find(traced.graph, cg):
-        if any(e in data and e not in learned for e in a.extras):  # a learned bias: refused below, with its reason
+        if any(e in data and e not in learned for e in a.extras):  # a learned bias goes to SDPA where it can, else ours
             # A data mask (padding, say) can mask a row's every key with a finite fill, where eager's probabilities
             # are uniform: SDPA's backward recomputes them from a log-sum-exp that lost them (-1e36 + log N rounds
             # to -1e36); ours keeps the row maximum and the log of the row sum apart.
@@ -296,20 +296,21 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set)
         return "SDPA's math path (fully masked rows give 0)", ""
     if any(meta(n).device != meta(a.q).device for n in a.inputs):
         return "operands on several devices", ""
-    biases = [e.name for e in a.extras if e in learned]
-    if biases:
-        return f"the score chain reads {', '.join(biases)}, which needs a gradient (a learned bias: not written yet)", ""
     dtype, head_dim = meta(a.q).dtype, meta(a.q).shape[-1]
     if dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (isinstance(head_dim, int) and head_dim <= 256):
         return f"{dtype} q with head dim {head_dim} (the kernel takes 16- and 32-bit floats, head dims up to 256)", ""
     try:
         with target(meta(a.q).device.type):
-            mod = score_mod(a.scores, a.chain, a.extras, cg, mask_structure(a, cg), extra_forms(a))
+            mod = score_mod(a.scores, a.chain, a.extras, cg, mask_structure(a, cg), extra_forms(a),
+                            learned=tuple(i for i, e in enumerate(a.extras) if e in learned))
     except ValueError as e:
         return str(e), ""
     if mod.grad is None:
         ops = ", ".join(str(n.target) for n in a.chain)
         return f"no derivative rule for an op of the score chain ({ops})", ""
+    biases = [a.extras[i].name for i, lines in mod.bias_grads if lines is None]
+    if biases:
+        return f"the score chain reads {', '.join(biases)}, which needs a gradient, through ops with no derivative rule", ""
     with gm.graph.inserting_before(a.out):
         extras = [_what_the_kernel_reads(gm.graph, e, mod.form(i)) for i, e in enumerate(a.extras)]
         seeds = [_draw_seed(gm.graph, meta(a.q).device)] if a.dropout else []  # a seed per site: counters from 0
@@ -387,20 +388,22 @@ def _(q, k, v, extras, scale, mod, dropout, seeds):
 def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor, extras: list[torch.Tensor], scale: float,
                                 mod: str, dropout: float,
-                                seeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv by our backward kernels (dk, dv summed over the query heads of each K/V head)."""
+                                seeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """dq, dk, dv by our backward kernels (dk, dv summed over the query heads of each K/V head), and the
+    gradients of the extras the score mod's `bias_grads` names (learned biases), in their dtypes."""
     seed = _check_dropout(q, dropout, seeds)
     m = _MODS[mod]
     source = _source(attention_bwd_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
-    dq, dk, dv, launches, args, meta, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
-                                                          scale=scale, seed=seed)
+    dq, dk, dv, dextras, launches, args, meta, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
+                                                                   scale=scale, seed=seed)
     run_kernels(first + [(source, name, grid, args, meta) for name, grid in launches], q.device.type)
-    return dq, dk, dv
+    return dq, dk, dv, [g.to(extras[i].dtype) for (i, _), g in zip(m.bias_grads, dextras)]
 
 
 @flash_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, extras, scale, mod, dropout, seeds):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            [extras[i].new_empty(extras[i].shape) for i, _ in _MODS[mod].bias_grads])
 
 
 def _setup(ctx, inputs, output):
@@ -412,8 +415,12 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
     seeds, extras = rest[:ctx.n_seeds], rest[ctx.n_seeds:]
-    dq, dk, dv = flash_attention_backward_op(dout, q, k, v, out, lse, extras, ctx.scale, ctx.mod, ctx.dropout, seeds)
-    return dq, dk, dv, [None] * len(extras), None, None, None, [None] * len(seeds)
+    dq, dk, dv, learned = flash_attention_backward_op(dout, q, k, v, out, lse, extras, ctx.scale, ctx.mod, ctx.dropout,
+                                                      seeds)
+    dextras = [None] * len(extras)
+    for (i, _), g in zip(_MODS[ctx.mod].bias_grads, learned):
+        dextras[i] = g
+    return dq, dk, dv, dextras, None, None, None, [None] * len(seeds)
 
 
 flash_attention_op.register_autograd(_backward, setup_context=_setup)

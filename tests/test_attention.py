@@ -139,12 +139,13 @@ def test_masks_and_biases_built_from_constants_are_computed_from_indices(form, m
 
 
 @pytest.mark.parametrize("form", ["soft-cap + causal", "alibi + causal", "soft-cap + alibi + causal",
-                                  "learned bias (refused)"])
+                                  "soft-cap + learned bias", "learned bias, soft-cap, causal; broadcast over heads"])
 def test_attention_sdpa_cannot_express_trains_through_our_backward(form, device):
     """In training, an attention SDPA cannot express is claimed before autograd as our kernel: the
     forward saves the log-sum-exp, not the scores, and the backward kernels recompute them, with the
     score chain's derivative (tanh's, the mask's).  Gradients of q, k, v match autograd through the
-    fp64 program.  A bias that needs its own gradient is refused, with the reason."""
+    fp64 program; so does a learned bias's (T5's relative-position bias), summed over where it
+    broadcasts, through the chain after it (soft-capping, a mask)."""
     torch.manual_seed(5)
     q, k, v = _qkv(device, m=45, n=45)
     learned = torch.randn(3, 45, 45, device=device, requires_grad=True)
@@ -159,24 +160,30 @@ def test_attention_sdpa_cannot_express_trains_through_our_backward(form, device)
             s = alibi(s)
         elif form == "soft-cap + alibi + causal":
             s = alibi(20.0 * torch.tanh(s / 20.0))
-        else:
+        elif form == "soft-cap + learned bias":
             s = 20.0 * torch.tanh(s / 20.0) + learned.to(s.dtype)
+        else:
+            s = 10.0 * torch.tanh((s + shared.to(s.dtype)) / 10.0)
+            s = s.masked_fill(torch.ones(45, 45, device=s.device, dtype=torch.bool).triu(1), float("-inf"))
         return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
+    shared = torch.randn(1, 45, 45, device=device, requires_grad=True)  # one bias for every head
     before = len(fuser.reports())
     w = torch.randn(q.shape, device=device)
     xs = [x.detach().requires_grad_() for x in (q * 3, k, v)]
-    got = torch.autograd.grad((torch.compile(attn, backend="fuser")(*xs).float() * w).sum(), xs)
-    x64 = [x.detach().double().requires_grad_() for x in xs]
-    want = torch.autograd.grad((attn(*x64) * w.double()).sum(), x64)
+    biases = [learned] if form == "soft-cap + learned bias" else [shared] if "learned" in form else []
+    got = torch.autograd.grad((torch.compile(attn, backend="fuser")(*xs).float() * w).sum(), xs + biases)
+    x64 = [x.detach().double().requires_grad_() for x in xs + biases]
+    if biases:
+        learned, shared = (x64[3], shared) if form == "soft-cap + learned bias" else (learned, x64[3])
+    want = torch.autograd.grad((attn(*x64[:3]) * w.double()).sum(), x64)
     for g, r in zip(got, want):
+        assert g.shape == r.shape
         torch.testing.assert_close(g.double(), r, atol=TOL[q.dtype]["atol"] * r.abs().max().item(), rtol=TOL[q.dtype]["rtol"])
     notes = [n for r in fuser.reports()[before:] for n in r.notes if n.startswith("attention")]
-    if form == "learned bias (refused)":
-        assert any("left to its ops" in n and "learned bias" in n for n in notes), notes
-        return
-    # ALiBi's fp32 bias goes to SDPA in fp32, to our kernel in 16 bits (SDPA would round it)
-    ours = form.startswith("soft-cap") or q.dtype != torch.float32
+    # ALiBi's fp32 bias goes to SDPA in fp32, to our kernel in 16 bits (SDPA would round it); a learned bias
+    # with soft-capping: ours
+    ours = form.startswith("soft-cap") or "learned" in form or q.dtype != torch.float32
     assert any("claimed before autograd (our kernel and its backward" in n for n in notes) == ours, notes
     assert not any("left to its ops" in n for n in notes), notes
 

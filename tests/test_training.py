@@ -267,6 +267,31 @@ def test_data_mask_after_another_mask_skips_no_tiles(device):
     assert not any("masks whole skipped" in n for n in notes), notes
 
 
+def test_t5_learned_position_bias_trains_through_our_kernel(device):
+    """T5's attention adds a learned relative-position bias (an embedding's output, with the padding mask
+    added to it): claimed before autograd as our kernel, whose backward also gives the bias's gradient
+    (summed over the batch it broadcasts over), so the embedding of the buckets trains.  Every parameter's
+    gradient matches eager's; the loss projects the output on random directions (T5's final RMSNorm, with
+    its unit weights, makes the gradient of a sum of squares zero)."""
+    torch.manual_seed(0)
+    model = transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=101, d_model=48, d_kv=12, d_ff=80, num_layers=2, num_heads=4, dropout_rate=0.0,
+        attn_implementation="eager")).to(device)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 101, (2, 29), device=device)
+    mask = torch.ones(2, 29, dtype=torch.long, device=device)
+    mask[1, 20:] = 0
+    proj = torch.randn(2, 29, 48, device=device)
+    fused = fuser.fuse(model)
+    (fused(input_ids=ids, attention_mask=mask).last_hidden_state * proj).sum().backward()
+    (twin(input_ids=ids, attention_mask=mask).last_hidden_state * proj).sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=2e-4 * q.grad.abs().max().item(), rtol=2e-4, msg=n)
+    assert model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad.abs().max() > 0
+    notes = [n for r in fused.reports for n in r.notes]
+    assert sum(n.startswith("attention claimed before autograd (our kernel") for n in notes) == 2, notes
+
+
 def test_bloom_attention_in_training_is_left_with_its_reason(device):
     """BLOOM's GELU is a custom autograd.Function, which the claim's trace before autograd cannot keep
     (its backward need not be its forward's gradient): the attention is left to its ops, the notes
