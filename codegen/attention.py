@@ -135,7 +135,8 @@ _NEUTRAL = {"add": 0, "keep": 1, "drop": 0}  # the data mask's value on a tile i
 # the attention kernel (`list_launches`), each program a tile or a block, so that they take microseconds
 # (the first version, a program per query block walking its row of tiles, took 30-60 us on an H100).
 # `tile_classes`: one program per tile, its class (0: masked whole, past M or N counting as masked; 1: kept
-# in part; 2: kept whole, inside M and N) and, per row, whether the row keeps a key of the tile.
+# in part; 2: kept whole, inside M and N) and, per row, whether the row keeps a key (an atomic max into
+# one int32 a row: B*H*M*4 bytes, whatever N).
 # `tile_lists`: per query block (per key block with BY_KEYS, the backward's dK/dV), the tiles on two lists
 # of runs, [0] = the number of runs, then each run's first tile and one past its last: the tiles kept
 # whole, then those kept in part (the kernels loop over a range inside a run, which Triton pipelines as
@@ -161,9 +162,9 @@ def _classes(x, KIND: tl.constexpr):
 
 
 @triton.jit
-def tile_classes(E, e_sb, e_sh, e_sm, e_sn, CLASS, ROWS, H, M, N, T_M, T_N,
+def tile_classes(E, e_sb, e_sh, e_sm, e_sn, CLASS, SEEN, H, M, N, T_M, T_N,
                  KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # CLASS: [B*H, T_M, T_N] int8; ROWS: [B*H, T_N, M] int8, 1 where the row keeps a key of key block nb
+    # CLASS: [B*H, T_M, T_N] int8; SEEN: [B*H, M] int32, zeroed, raised to 1 where the row keeps a key here
     t = tl.program_id(0)
     bh = tl.program_id(1)
     mb = t // T_N
@@ -176,12 +177,12 @@ def tile_classes(E, e_sb, e_sh, e_sm, e_sn, CLASS, ROWS, H, M, N, T_M, T_N,
     all_masked = tl.min(tl.min((masked | (ok == 0)).to(tl.int32), 1), 0)
     all_kept = tl.min(tl.min((kept & ok).to(tl.int32), 1), 0)
     tl.store(CLASS + (bh.to(tl.int64) * T_M + mb) * T_N + nb, tl.where(all_kept == 1, 2, 1 - all_masked).to(tl.int8))
-    sees = tl.max((ok & (masked == 0)).to(tl.int8), 1)
-    tl.store(ROWS + (bh.to(tl.int64) * T_N + nb) * M + rows, sees, mask=rows < M)
+    sees = tl.max((ok & (masked == 0)).to(tl.int32), 1)
+    tl.atomic_max(SEEN + bh.to(tl.int64) * M + rows, sees, mask=(rows < M) & (sees > 0))
 
 
 @triton.jit
-def tile_lists(CLASS, ROWS, HIDDEN, OUT, M, T_M, T_N,
+def tile_lists(CLASS, SEEN, HIDDEN, OUT, M, T_M, T_N,
                BY_KEYS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     # OUT: [B*H, outer, 2, 1 + 2 * inner] int32; HIDDEN: [B*H, T_M] int32, written per query block, read per key block
     o = tl.program_id(0)
@@ -198,12 +199,7 @@ def tile_lists(CLASS, ROWS, HIDDEN, OUT, M, T_M, T_N,
         step = 1
         out = OUT + (bh * T_M + o) * 2 * (1 + 2 * T_N)
         rows = o * BLOCK_M + tl.arange(0, BLOCK_M)
-        sees = tl.zeros([BLOCK_M], tl.int32)
-        for n0 in range(0, T_N, CHUNK):
-            nb = n0 + tl.arange(0, CHUNK)
-            at = ROWS + (bh * T_N + nb[:, None]) * M + rows[None, :]
-            seen = tl.load(at, mask=(nb[:, None] < T_N) & (rows[None, :] < M), other=0).to(tl.int32)
-            sees = tl.maximum(sees, tl.max(seen, 0))
+        sees = tl.load(SEEN + bh * M + rows, mask=rows < M, other=0)
         hidden = tl.max(((rows < M) & (sees == 0)).to(tl.int32), 0)
         tl.store(HIDDEN + bh * T_M + o, hidden)
     n_kept = tl.zeros((), tl.int32)
@@ -259,15 +255,15 @@ def list_launches(extra: torch.Tensor, kind: str, B: int, H: int, M: int, N: int
     tm, tn = cdiv(M, block_m), cdiv(N, block_n)
     new = functools.partial(torch.empty, dtype=torch.int32, device=extra.device)
     classes = torch.empty((be * he, tm, tn), dtype=torch.int8, device=extra.device)
-    rows = torch.empty((be * he, tn, M), dtype=torch.int8, device=extra.device)
+    seen = torch.zeros((be * he, M), dtype=torch.int32, device=extra.device)
     hidden = new((be * he, tm))
-    launches = [(BLOCK_LISTS_SOURCE, "tile_classes", (tm * tn, be * he), (e, *e.stride(), classes, rows, he, M, N, tm, tn),
+    launches = [(BLOCK_LISTS_SOURCE, "tile_classes", (tm * tn, be * he), (e, *e.stride(), classes, seen, he, M, N, tm, tn),
                  dict(KIND=_KIND[kind], BLOCK_M=block_m, BLOCK_N=block_n))]
     lists = []
     for keys in (False, True) if by_keys else (False,):  # per query block first: it finds the hidden rows
         outer, inner = (tn, tm) if keys else (tm, tn)
         blocks = new((be, he, outer, 2, 1 + 2 * inner))
-        launches.append((BLOCK_LISTS_SOURCE, "tile_lists", (outer, be * he), (classes, rows, hidden, blocks, M, tm, tn),
+        launches.append((BLOCK_LISTS_SOURCE, "tile_lists", (outer, be * he), (classes, seen, hidden, blocks, M, tm, tn),
                          dict(BY_KEYS=keys, BLOCK_M=block_m, CHUNK=_CHUNK)))
         lists.append(blocks.expand(B, H, *blocks.shape[2:]))
     return lists, launches

@@ -11,6 +11,8 @@ Every tile of dQ, dK and dV is written by one program (no atomics), each element
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fuser.dtypes import interpreting, math_import
@@ -126,8 +128,8 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    H, GROUP, M, N, STATS, scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,"""
+    H, GROUP, M, N, STATS, SPLIT, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC: tl.constexpr,"""
     # per query head: its Q, dO, statistics and extras (the dK/dV program walks the heads of its K/V head)
     per_head = f"""b64 = b_idx.to(tl.int64)
 h64 = h_idx.to(tl.int64)
@@ -171,17 +173,22 @@ row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima
             *loop("start_n", "n_lo", "nf_lo", "BLOCK_N", dq_body(False), "key blocks at the window's edge: masked"),
             *loop("start_n", "nf_lo", "nf_hi", "BLOCK_N", dq_body(True), "key blocks the whole query block sees: no mask"),
             *loop("start_n", "nf_hi", "n_hi", "BLOCK_N", dq_body(False), "the diagonal's key blocks and the last past N: masked")]
-    dkdv = ["bkv = tl.program_id(1)  # (batch, K/V head)", "HKV = H // GROUP", "b_idx = bkv // HKV",
+    dkdv = ["part = tl.program_id(1) % SPLIT  # which share of the query heads (SPLIT > 1: few programs otherwise)",
+            "bkv = tl.program_id(1) // SPLIT  # (batch, K/V head)", "HKV = H // GROUP", "b_idx = bkv // HKV",
             "kv64 = (bkv % HKV).to(tl.int64)", "k_base = K + b_idx.to(tl.int64) * stride_kb + kv64 * stride_kh",
             "v_base = V + b_idx.to(tl.int64) * stride_vb + kv64 * stride_vh", *common,
             "start_n = tl.program_id(0) * BLOCK_N"] + k_tiles("start_n + tl.arange(0, BLOCK_N)", False) + [
         "dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)", "dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)",
-        "for grp in range(0, GROUP):  # the query heads reading this K/V head (GQA): dK, dV summed here, on chip",
+        "for grp in range(part * (GROUP // SPLIT), (part + 1) * (GROUP // SPLIT)):  # query heads reading this K/V head",
         "    h_idx = (bkv % HKV) * GROUP + grp", "    bh = b_idx * H + h_idx",
         *["    " + x for x in per_head + dkdv_loops],
         "out = (bkv.to(tl.int64) * N + kn[:, None]) * HEAD_DIM + offs_d[None, :]  # [B, Hkv, N, D], K's dtype",
-        f"tl.store(DK + out, (dk * scale).to({_TL_DTYPE[dtype]}), mask=(kn[:, None] < N) & d_ok[None, :])",
-        f"tl.store(DV + out, dv.to({_TL_DTYPE[dtype]}), mask=(kn[:, None] < N) & d_ok[None, :])"]
+        "if ATOMIC:  # the heads split over SPLIT programs: their sums added into fp32 buffers",
+        "    tl.atomic_add(DK + out, dk * scale, mask=(kn[:, None] < N) & d_ok[None, :])",
+        "    tl.atomic_add(DV + out, dv, mask=(kn[:, None] < N) & d_ok[None, :])",
+        "else:",
+        f"    tl.store(DK + out, (dk * scale).to({_TL_DTYPE[dtype]}), mask=(kn[:, None] < N) & d_ok[None, :])",
+        f"    tl.store(DV + out, dv.to({_TL_DTYPE[dtype]}), mask=(kn[:, None] < N) & d_ok[None, :])"]
     dq = ["bh = tl.program_id(1)", "b_idx = bh // H", "h_idx = bh % H", "kv64 = (h_idx // GROUP).to(tl.int64)",
           "k_base = K + b_idx.to(tl.int64) * stride_kb + kv64 * stride_kh",
           "v_base = V + b_idx.to(tl.int64) * stride_vb + kv64 * stride_vh", *per_head, *common,
@@ -241,6 +248,21 @@ def attention_bwd_delta(O, DO, DELTA, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, 
 """
 
 
+@functools.lru_cache(maxsize=None)
+def _processors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _split(programs: int, group: int, device: torch.device) -> int:
+    """Over how many dK/dV programs the `group` query heads of a K/V head are shared: 1 (each program sums
+    its K/V head's every query head, stores once) unless that leaves the GPU under two programs a
+    processor (MQA, few batches, short keys); then the least divisor of `group` that fills it."""
+    for d in range(1, group + 1):
+        if group % d == 0 and programs * d >= 2 * _processors(device):
+            return d
+    return group
+
+
 def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: float = 1.0, seed=None):
     """Host side of the backward: (dq, dk, dv, the gradients of the extras `mod.bias_grads` names (fp32, their
     shapes), [(name, grid)] of the two kernels, their args and meta, first:
@@ -252,12 +274,16 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     block_m, block_n, num_warps, num_stages = attention_bwd_plan(D, q.dtype, q.is_cuda)
     block_d = max(16, next_pow2(D))
     delta = torch.empty((B, Hq, M), dtype=torch.float32, device=q.device)
-    rows = 64 if q.is_cuda else 16
+    rows = min(64, 4096 // block_d) if q.is_cuda else 16  # O's and dO's tiles: 4096 fp32 values each at most
     first = [(DELTA_SOURCE, "attention_bwd_delta", (cdiv(M, rows), B * Hq),
               (out, dout, delta, *out.stride(), *dout.stride(), Hq, M, D), dict(BLOCK_M=rows, BLOCK_D=block_d))]
     dq = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, Hkv, N, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, Hkv, N, D), dtype=v.dtype, device=q.device)
+    split = _split(cdiv(N, block_n) * B * Hkv, Hq // Hkv, q.device)
+    if split > 1:  # summed atomically in fp32, rounded after (the caller's .to)
+        dk, dv = (torch.zeros((B, Hkv, N, D), dtype=torch.float32, device=q.device) for _ in range(2))
+    else:
+        dk = torch.empty((B, Hkv, N, D), dtype=k.dtype, device=q.device)
+        dv = torch.empty((B, Hkv, N, D), dtype=v.dtype, device=q.device)
     extra_args, lists = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, by_keys=True)
     dextras = []  # a learned bias's gradient: fp32, its own shape (the kernel sums over where it broadcasts)
     for i, _ in mod.bias_grads:
@@ -266,8 +292,8 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
         extra_args += [dextras[-1], *dextras[-1].reshape((1,) * (4 - e.dim()) + tuple(e.shape)).expand(B, Hq, M, N).stride()]
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     args = (q, k, v, dout, lse, delta, dq, dk, dv, dq if seed is None else seed, *extra_args, *q.stride(), *k.stride(),
-            *v.stride(), *dout.stride(), Hq, Hq // Hkv, M, N, B * Hq * M, float(scale))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32",
+            *v.stride(), *dout.stride(), Hq, Hq // Hkv, M, N, B * Hq * M, split, float(scale))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32", ATOMIC=split > 1,
                 num_warps=num_warps, num_stages=num_stages)
-    launches = [("attention_bwd_dkdv", (cdiv(N, block_n), B * Hkv)), ("attention_bwd_dq", (cdiv(M, block_m), B * Hq))]
+    launches = [("attention_bwd_dkdv", (cdiv(N, block_n), B * Hkv * split)), ("attention_bwd_dq", (cdiv(M, block_m), B * Hq))]
     return dq, dk, dv, dextras, launches, args, meta, first + lists

@@ -397,7 +397,7 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     dq, dk, dv, dextras, launches, args, meta, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
                                                                    scale=scale, seed=seed)
     run_kernels(first + [(source, name, grid, args, meta) for name, grid in launches], q.device.type)
-    return dq, dk, dv, [g.to(extras[i].dtype) for (i, _), g in zip(m.bias_grads, dextras)]
+    return dq, dk.to(k.dtype), dv.to(v.dtype), [g.to(extras[i].dtype) for (i, _), g in zip(m.bias_grads, dextras)]
 
 
 @flash_attention_backward_op.register_fake

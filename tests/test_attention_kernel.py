@@ -467,6 +467,25 @@ def test_data_mask_tile_lists_random(seed):
                 assert (_listed(got, outer, 0), _listed(got, outer, 1)) == (whole, part), (kind, by_keys, outer)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_splits_the_query_heads_of_a_kv_head_when_programs_are_few(dtype, monkeypatch):
+    """MQA with few key blocks would leave most processors idle with a dK/dV program per K/V head: the query
+    heads are then shared over several programs, their sums added atomically in fp32 (here forced: a GPU of
+    many processors).  Gradients equal fp64 autograd's, causal, a padded head dim."""
+    import fuser.codegen.attention_bwd as bwd
+    monkeypatch.setattr(bwd, "_processors", lambda device: 10_000)
+    assert bwd._split(4, 6, torch.device(DEVICE)) == 6 and bwd._split(40_000, 6, torch.device(DEVICE)) == 1
+    torch.manual_seed(32)
+    q, k, v = qkv(2, 6, 1, 37, 37, 24, dtype)
+    w = rand(2, 6, 37, 24)
+    mod = ScoreMod((), causal=True)
+    got = _grads(lambda q, k, v: flash_attention(q, k, v, scale=0.3, mod=mod), w, q, k, v)
+    want = _grads(lambda q, k, v: reference(q, k, v, 0.3, causal=True)[0], w, q.double(), k.double(), v.double())
+    for g, w_ in zip(got, want):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), w_, atol=BWD_TOL[dtype] * w_.abs().max().item(), rtol=BWD_TOL[dtype])
+
+
 def test_backward_reads_the_output_gradient_in_its_own_layout():
     """dO arrives strided (the output transposed after the attention, as models do before their output
     projection) and Q, K, V are views of one packed projection: the gradients still equal fp64 autograd's, GQA
