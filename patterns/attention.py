@@ -294,7 +294,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
 
 
 def normalize_attention(graph: fx.Graph) -> int:
-    """Rewrites two ways of writing attention into the form match() reads; returns how many.
+    """Rewrites ways of writing attention into the form match() reads; returns how many.
 
     - BLOOM's scores, `baddbmm(alibi, q, kᵀ, beta, alpha).view(B, H, M, N)` = alpha·(q·kᵀ) +
       beta·alibi, written out in [B, H, M, N] as bmm, view, mul and add where they reach a softmax's
@@ -302,6 +302,7 @@ def normalize_attention(graph: fx.Graph) -> int:
       decompositions keep baddbmm whole: elsewhere it stays one cuBLAS call);
     - Kᵀ made by one permute of another layout (BLOOM's `k.permute(0, 2, 3, 1)` of [B, N, H, D]):
       split into the permute to K ([B, H, N, D]) and the swap of its last two dims;
+    - an in-place pointwise op on the scores nothing else reads (Falcon's `scores /= sqrt(d)`) made functional;
     - views to the shape a tensor already has, on the way to a softmax, dropped."""
     done, mode = 0, None
     for n in list(graph.nodes):
@@ -330,7 +331,35 @@ def normalize_attention(graph: fx.Graph) -> int:
         graph.erase_node(view)
         graph.erase_node(n)
         done += 1
-    return done + _split_kt_permutes(graph) + _drop_identity_views(graph)
+    return done + _functional_scores(graph) + _split_kt_permutes(graph) + _drop_identity_views(graph)
+
+
+def _functional_scores(graph: fx.Graph) -> int:
+    """An in-place pointwise op on the way to a softmax (Falcon's `scores /= math.sqrt(d)`: aten.div_, which
+    the trace before autograd keeps) as its functional op, where nothing else can see the write: the tensor
+    it writes is read there alone, and so is every tensor it is a view of, back to the op that made it (not a
+    graph input).  match() reads functional chains only."""
+    done = 0
+    for n in list(graph.nodes):
+        target = n.target
+        if n.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+                torch.Tag.pointwise not in target.tags or not target._schema.is_mutable or not _reaches_softmax(n):
+            continue
+        name = target._schema.name.split("::")[-1]
+        functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None) if name.endswith("_") else None
+        x = n.args[0]
+        while isinstance(x, fx.Node) and len(x.users) == 1 and packet(x) in _VIEW:
+            x = x.args[0]
+        if functional is None or not isinstance(x, fx.Node) or len(x.users) != 1 or x.op != "call_function" \
+                or len(n.args[0].users) != 1:
+            continue
+        with graph.inserting_before(n):
+            new = graph.call_function(functional, n.args, n.kwargs)
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
+        done += 1
+    return done
 
 
 def _split_kt_permutes(graph: fx.Graph) -> int:

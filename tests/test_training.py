@@ -292,6 +292,28 @@ def test_t5_learned_position_bias_trains_through_our_kernel(device):
     assert sum(n.startswith("attention claimed before autograd (our kernel") for n in notes) == 2, notes
 
 
+@pytest.mark.parametrize("multi_query", [True, False])
+def test_falcon_in_place_scaled_scores_are_claimed(multi_query, device):
+    """Falcon's eager attention scales its scores in place (`scores /= math.sqrt(d)`), an aten.div_ the trace
+    before autograd keeps: made functional (nothing else reads those scores), the attention is recognised and
+    claimed (our kernel: left padding is a data mask), and every gradient is eager's."""
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, attn_implementation="eager",
+        new_decoder_architecture=False, multi_query=multi_query)).to(device)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 101, (2, 19), device=device)
+    mask = torch.ones(2, 19, dtype=torch.long, device=device)
+    mask[0, :5] = 0
+    fused = fuser.fuse(model)
+    fused(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    twin(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=2e-4 * q.grad.abs().max().item(), rtol=2e-4, msg=n)
+    notes = [n for r in fused.reports for n in r.notes]
+    assert sum(n.startswith("attention claimed before autograd (our kernel") for n in notes) == 2, notes
+
+
 def test_bloom_attention_in_training_is_left_with_its_reason(device):
     """BLOOM's GELU is a custom autograd.Function, which the claim's trace before autograd cannot keep
     (its backward need not be its forward's gradient): the attention is left to its ops, the notes
