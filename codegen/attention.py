@@ -139,8 +139,9 @@ _NEUTRAL = {"add": 0, "keep": 1, "drop": 0}  # the data mask's value on a tile i
 # one int32 a row: B*H*M*4 bytes, whatever N).
 # `tile_lists`: per query block (per key block with BY_KEYS, the backward's dK/dV), the tiles on two lists
 # of runs, [0] = the number of runs, then each run's first tile and one past its last: the tiles kept
-# whole, then those kept in part (the kernels loop over a range inside a run, which Triton pipelines as
-# it does a structural mask's; causal, window and padding masks give one or two runs), a tile masked whole on
+# whole, then those kept in part (the kernels loop over a range inside a run, as over a structural mask's
+# tiles: the K/V addresses follow the loop variable, not an index loaded each step; whether that times
+# better is not measured yet; causal, window and padding masks give one or two runs), a tile masked whole on
 # neither unless its query block holds a row that keeps no key at all (eager's uniform row: that block
 # skips nothing; the per-query-block launch finds those blocks, the per-key-block one, launched after it,
 # reads them).  HBM bytes: the mask read once (tile_classes); the rest is bytes per tile or row.

@@ -7,7 +7,9 @@ query block (dQ); each recomputes P.  The score chain's gradient is `ScoreMod.gr
 `g`, d(final scores)/d(scaled scores), from the forward's variables (the lines are recomputed
 first).  With GQA, a dK/dV program walks the query heads of its K/V head, summing on chip.  The gradients
 are stored in the inputs' dtype, rounded once.  delta = rowsum(dO * O) comes from a kernel of its own.
-Every tile of dQ, dK and dV is written by one program (no atomics), each element once.
+Every tile of dQ, dK and dV is written by one program, each element once, except where the query heads of
+a K/V head are shared over several programs (few programs otherwise: `_split`) and for a learned bias's
+gradient (summed where it broadcasts): those are added atomically into fp32 buffers.
 """
 from __future__ import annotations
 
