@@ -36,9 +36,7 @@ the timings and peak memory are the distributed run's alone.
 """
 import argparse
 import cProfile
-import gzip
 import json
-import os
 import pstats
 import statistics
 import time
@@ -165,10 +163,7 @@ def profile(model, ids, device: torch.device, steps: int = 3, trace: str | None 
         sync(device)
         wall = (time.perf_counter() - start) / steps
     if trace:
-        prof.export_chrome_trace(trace)
-        with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as z:
-            z.write(f.read())
-        os.remove(trace)
+        prof.export_chrome_trace(trace)  # gzipped by torch (the .gz suffix)
     kernel = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     ms = {e.key: e.self_device_time_total / 1e3 / steps for e in kernel}
     launches = {e.key: e.count / steps for e in kernel}
@@ -223,7 +218,7 @@ def main(argv=None):
 
     model = wrap(build(size, args.seed, device, dtype), args.wrap, args.backend, size["bucket_mb"], device)
     losses, times, peak = train(model, ids.chunk(world)[rank], size["lr"], args.steps, device, world)
-    kernels = profile(model, ids.chunk(world)[rank], device, trace=f"{args.trace}.rank{rank}.json" if args.trace else None) \
+    kernels = profile(model, ids.chunk(world)[rank], device, trace=f"{args.trace}.rank{rank}.json.gz" if args.trace else None) \
         if args.profile else None
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)

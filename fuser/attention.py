@@ -19,12 +19,15 @@ def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extr
     q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] with Hq % Hkv == 0; any strides.  ``extras`` are broadcastable to
     [B, Hq, M, N] and read in place.  Out: q's dtype, contiguous [B, Hq, M, D]; lse: fp32 [B, Hq, M].
     Differentiable in q, k and v (the backward kernels recompute the scores; the mod's `grad` lines
-    give the score chain's derivative); extras get no gradient, and one that asks for it is an
-    error, not a silent zero.  `dropout`: fuser::dropout's mask on the probabilities (fuser/dropout.py)
+    give the score chain's derivative); an extra gets a gradient where the mod's `bias_grads` gives its
+    derivative, and any other that asks for one is an error, not a silent zero.  `dropout`: fuser::dropout's mask on the probabilities (fuser/dropout.py)
     from `seed` (a 0-d int64 tensor on q's device; None draws one), drawn again in the backward.
     """
-    if torch.is_grad_enabled() and any(isinstance(e, torch.Tensor) and e.requires_grad for e in extras):
-        raise NotImplementedError("flash_attention: no gradient for the score mod's extra tensors yet")
+    learned = {i for i, _ in mod.bias_grads}  # the extras whose derivative the mod gives (a learned bias)
+    if torch.is_grad_enabled() and any(isinstance(e, torch.Tensor) and e.requires_grad and i not in learned
+                                       for i, e in enumerate(extras)):
+        raise NotImplementedError("flash_attention: no gradient for the score mod's extra tensors that its "
+                                  "bias_grads does not name")
     if dropout and seed is None:
         seed = new_seed(q.device)
     out, stats = flash_attention_op(q, k, v, list(extras), float(scale), register_mod(mod), float(dropout),

@@ -541,6 +541,25 @@ def test_data_mask_skips_tiles_forward_and_backward(dtype, kind):
         torch.testing.assert_close(g.double(), w_, atol=tol, rtol=BWD_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_learned_bias_gets_its_gradient(dtype):
+    """A bias the mod names in `bias_grads` (d(final s)/d(bias) lines) gets its gradient from the dQ kernel,
+    summed over the batch it broadcasts over, through soft-capping after it; GQA, odd sizes."""
+    torch.manual_seed(33)
+    q, k, v = qkv(3, 4, 2, 29, 37, 16, dtype)
+    bias = rand(1, 4, 29, 37, dtype=dtype)
+    mod = ScoreMod(("c0 = s + extra0.to(tl.float32)", "c1 = 8.0 * (1.0 - 2.0 / (tl.exp(2.0 * c0 / 8.0) + 1.0))", "s = c1"),
+                   n_extra=1, grad=("g = 1.0 - (c1 / 8.0) * (c1 / 8.0)",),
+                   bias_grads=((0, ("g0 = 1.0 - (c1 / 8.0) * (c1 / 8.0)",)),))
+    w = rand(3, 4, 29, 16)
+    got = _grads(lambda q, k, v, b: flash_attention(q, k, v, scale=0.3, mod=mod, extras=(b,)), w, q, k, v, bias)
+    want = _grads(lambda q, k, v, b: reference(q, k, v, 0.3, mod=lambda s, qi, ki: 8.0 * torch.tanh((s + b) / 8.0))[0],
+                  w, q.double(), k.double(), v.double(), bias.double())
+    for g, w_ in zip(got, want):
+        assert g.shape == w_.shape and g.dtype == dtype
+        torch.testing.assert_close(g.double(), w_, atol=BWD_TOL[dtype] * w_.abs().max().item(), rtol=BWD_TOL[dtype])
+
+
 def test_backward_refuses_what_it_cannot_differentiate():
     """A score mod without gradient lines, or an extra tensor asking for its gradient: an error naming
     it, never a silent zero."""
