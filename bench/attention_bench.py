@@ -37,7 +37,8 @@ BF16 = torch.bfloat16
 SOFTCAP = 50.0
 WINDOW = 1024
 
-# name, B, Hq, Hkv, S, D, variant; variant: none | causal-graph | causal-buffer | softcap | alibi | window
+# name, B, Hq, Hkv, S, D, variant; variant: none | causal-graph | causal-buffer | softcap | alibi | window |
+# causal-padding (batch b keeps its first S * (4 - b) / 4 keys: a padded batch's mask, no structure)
 ROWS = [
     ("no mask", 4, 16, 16, 4096, 128, "none"),
     ("causal, mask in a buffer", 4, 16, 16, 4096, 128, "causal-buffer"),
@@ -48,6 +49,7 @@ ROWS = [
     ("D64 S1024 causal", 16, 16, 16, 1024, 64, "causal-graph"),
     ("D64 S1024 causal, mask in a buffer", 16, 16, 16, 1024, 64, "causal-buffer"),
     ("GQA 32/8 causal", 4, 32, 8, 2048, 128, "causal-graph"),
+    ("causal + key padding (in a buffer)", 4, 16, 16, 4096, 128, "causal-padding"),
 ]
 
 
@@ -65,6 +67,7 @@ class HandWritten(torch.nn.Module):
         causal = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
         self.register_buffer("causal_mask", causal)
         self.register_buffer("window_mask", causal | torch.ones(s, s, dtype=torch.bool, device=device).tril(-WINDOW))
+        self.register_buffer("padding_mask", padding_mask(4, s, device))
 
     def forward(self, q, k, v):
         variant, groups, s = self.variant, self.groups, self.s
@@ -84,7 +87,20 @@ class HandWritten(torch.nn.Module):
             sc = sc.masked_fill(self.causal_mask, float("-inf"))
         elif variant == "window":
             sc = sc.masked_fill(self.window_mask, float("-inf"))
+        elif variant == "causal-padding":
+            sc = sc.masked_fill(self.padding_mask[:sc.shape[0]], float("-inf"))
         return torch.matmul(torch.softmax(sc.float(), dim=-1).to(q.dtype), v)
+
+
+def _lengths(b, s, device):
+    return torch.tensor([max(1, s * (4 - i % 4) // 4) for i in range(b)], device=device)
+
+
+def padding_mask(b, s, device):
+    """[b, 1, s, s], True where masked: keys past the diagonal or past the batch's length."""
+    key = torch.arange(s, device=device)
+    causal = key[None, :] > key[:, None]
+    return (causal[None] | (key[None, None, :] >= _lengths(b, s, device)[:, None, None]))[:, None]
 
 
 def sdpa_version(variant, hq, s, device):
@@ -101,6 +117,9 @@ def sdpa_version(variant, hq, s, device):
     causal = variant in ("causal-graph", "causal-buffer")
 
     def attn(q, k, v):
+        if variant == "causal-padding":  # the memory-efficient kernel, K/V repeated for GQA (it has none)
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=~padding_mask(q.shape[0], s, q.device))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     return attn
 
@@ -110,11 +129,13 @@ def flex_version(variant, b, hq, s, device):
     flex = torch.compile(flex_attention)
     slopes = _slopes(hq, device)
     causal = lambda b_, h_, q_, k_: q_ >= k_  # noqa: E731
+    lengths = _lengths(b, s, device)
     mask_mod = {"causal-graph": causal, "causal-buffer": causal, "softcap": causal, "alibi": causal,
-                "window": lambda b_, h_, q_, k_: (q_ >= k_) & (q_ - k_ < WINDOW)}.get(variant)
+                "window": lambda b_, h_, q_, k_: (q_ >= k_) & (q_ - k_ < WINDOW),
+                "causal-padding": lambda b_, h_, q_, k_: (q_ >= k_) & (k_ < lengths[b_])}.get(variant)
     score_mod = {"softcap": lambda sc, b_, h_, q_, k_: SOFTCAP * torch.tanh(sc / SOFTCAP),
                  "alibi": lambda sc, b_, h_, q_, k_: sc + slopes[h_] * (k_ - q_)}.get(variant)
-    block = create_block_mask(mask_mod, None, None, s, s, device=device) if mask_mod else None
+    block = create_block_mask(mask_mod, b if variant == "causal-padding" else None, None, s, s, device=device) if mask_mod else None
 
     def attn(q, k, v):
         return flex(q, k, v, score_mod=score_mod, block_mask=block, enable_gqa=q.shape[1] != k.shape[1])

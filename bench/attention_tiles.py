@@ -58,7 +58,7 @@ def sweep(name, b, hq, hkv, s, d, variant):
         row["configs"] = {}
         try:
             for cfg in CANDIDATES[d]:
-                attention_codegen.attention_plan = lambda *a, cfg=cfg: cfg
+                attention_codegen.attention_plan = lambda *a, cfg=cfg, **kw: cfg
                 try:
                     out = fused(q, k, v)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -103,7 +103,7 @@ def sweep_backward(name, b, hq, hkv, s, d, variant):
     plan = attention_bwd.attention_bwd_plan
     try:
         for cfg in BACKWARD[d]:
-            attention_bwd.attention_bwd_plan = lambda *a, cfg=cfg: cfg
+            attention_bwd.attention_bwd_plan = lambda *a, cfg=cfg, **kw: cfg
             try:
                 step(fused)()
                 row["configs"][str(cfg)] = {"ms": ms(step(fused)), "err": err()}

@@ -502,10 +502,13 @@ def attention_fwd(
 
 
 def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m: int, block_n: int,
-                by_keys: bool = False) -> tuple[list, list]:
+                by_keys: bool = False, lists_cache=None) -> tuple[list, list]:
     """(Each extra with its [B, Hq, M, N] strides (0 where it broadcasts), then, with a data mask, its tile
     lists per query block and, with `by_keys` (the backward's blocks), per key block; the launches that
-    fill those lists, to run first: `list_launches`)."""
+    fill those lists, to run first: `list_launches`).  `lists_cache`: a mapping that keeps lists made
+    before for the same mask tensor (its address, layout and version: the entry holds the tensor, so the
+    address is not another tensor's while it is there) and the same blocks: the layers of a model that
+    share one mask make its lists once a step (the caller does not pass one under CUDA-graph capture)."""
     args = []
     for e in extras:
         e = e.expand(B, Hq, M, N)
@@ -513,13 +516,24 @@ def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m:
     if not mod.data_mask:
         return args, []
     i, kind, _ = mod.data_mask
-    lists, launches = list_launches(extras[i], kind, B, Hq, M, N, block_m, block_n, by_keys)
+    mask = extras[i]
+    key = None if lists_cache is None or mask.is_inference() else (
+        mask.data_ptr(), mask.device, tuple(mask.shape), mask.stride(), mask.dtype, mask._version, kind, B, Hq, M, N,
+        block_m, block_n, by_keys)
+    made = lists_cache.get(key) if key is not None else None
+    if made is not None:
+        lists, launches = made[1], []
+    else:
+        lists, launches = list_launches(mask, kind, B, Hq, M, N, block_m, block_n, by_keys)
+        if key is not None:
+            lists_cache[key] = (mask, lists)
     for blocks in lists:
         args += [blocks, *blocks.stride()[:4]]
     return args, launches
 
 
-def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse: bool = False, seed=None):
+def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse: bool = False, seed=None, out=None,
+            lists_cache=None):
     """Host side of one launch of ``attention_source(mod, D, dtype)``: checks the operands, allocates the output
     (and the row statistics) and gives ``(out, lse, grid, args, meta, first)``; the runtime loads the kernel and
     launches it, after `first`: launches (source, name, grid, args, meta) that fill a data mask's tile lists.
@@ -528,7 +542,8 @@ def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse
     [B, Hq, M, N] and read in place (broadcast dims get stride 0).  Out: q's dtype, contiguous [B, Hq, M, D];
     lse: fp32 [2, B, Hq, M], each row's maximum score (natural log) and the log of its sum of exponentials;
     the log-sum-exp is their sum.  Computes ``softmax(mod(q @ k^T * scale)) @ v``.  `seed`: dropout's 0-d
-    int64 seed, for a kernel made with dropout.
+    int64 seed, for a kernel made with dropout.  `out`: the output, any strides, where the caller allocates it.
+    `lists_cache`: see `_extra_args`.
     """
     B, Hq, M, D = q.shape
     Bk, Hkv, N, Dk = k.shape
@@ -538,12 +553,13 @@ def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse
         raise TypeError("attention: q, k, v must share a dtype")
     if len(extras) != mod.n_extra:
         raise ValueError(f"attention: score mod wants {mod.n_extra} extra tensor(s), got {len(extras)}")
-    block_m, block_n, num_warps, num_stages = attention_plan(D, q.dtype, q.is_cuda)
+    block_m, block_n, num_warps, num_stages = attention_plan(D, q.dtype, q.is_cuda, listed=bool(mod.data_mask))
     # fp32 inputs: tf32 only where torch's matmul would use it too; 16-bit inputs ignore it (tf32 is Triton's default).
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    out = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((2, B, Hq, M) if return_lse else (0,), dtype=torch.float32, device=q.device)
-    extra_args, first = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n)
+    extra_args, first = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, lists_cache=lists_cache)
     grid = (cdiv(M, block_m), B * Hq)
     args = (q, k, v, out, lse, out if seed is None else seed, *extra_args, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             Hq, Hq // Hkv, M, N, float(scale))

@@ -265,12 +265,12 @@ def _split(programs: int, group: int, device: torch.device) -> int:
     return group
 
 
-def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: float = 1.0, seed=None):
+def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: float = 1.0, seed=None, lists_cache=None):
     """Host side of the backward: (dq, dk, dv, the gradients of the extras `mod.bias_grads` names (fp32, their
     shapes), [(name, grid)] of the two kernels, their args and meta, first:
     the launches to run before them, as `prepare`'s: delta = rowsum(dO * O), a data mask's tile lists).
     dout is read in its own layout.  The gradients are q's, k's and v's shapes in their dtypes, contiguous.
-    `seed`: the forward's dropout seed, for kernels made with dropout."""
+    `seed`: the forward's dropout seed, for kernels made with dropout.  `lists_cache`: see attention._extra_args."""
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     block_m, block_n, num_warps, num_stages = attention_bwd_plan(D, q.dtype, q.is_cuda)
@@ -286,7 +286,7 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     else:
         dk = torch.empty((B, Hkv, N, D), dtype=k.dtype, device=q.device)
         dv = torch.empty((B, Hkv, N, D), dtype=v.dtype, device=q.device)
-    extra_args, lists = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, by_keys=True)
+    extra_args, lists = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, by_keys=True, lists_cache=lists_cache)
     dextras = []  # a learned bias's gradient: fp32, its own shape (the kernel sums over where it broadcasts)
     for i, _ in mod.bias_grads:
         e = extras[i]

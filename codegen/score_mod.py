@@ -109,6 +109,25 @@ def _data_mask(scores, chain: list, extras: list, forms) -> tuple | None:
     return found
 
 
+def plain_scale(scores, chain: list, extras: list, mask: int) -> float | None:
+    """The constant c where the chain is `mask(scores * c)` and casts alone (the mask: extra `mask`, the chain's
+    data mask), so that SDPA computes it once the mask is known causal; else None."""
+    scale, path = 1.0, {scores}
+    for n in chain:
+        if not any(a in path for a in n.all_input_nodes):
+            return None  # the chain computes something beside the scores (a bias): more than a mask
+        path.add(n)
+        op, args = packet(n), n.args
+        c = args[1] if len(args) == 2 else None
+        if op in _ONE or extras[mask] in n.all_input_nodes:
+            continue
+        if op not in (aten.mul, aten.div) or args[0] not in path or not isinstance(c, (int, float)) \
+                or isinstance(c, bool) or c == 0 or n.kwargs.get("rounding_mode") is not None:
+            return None
+        scale = scale * c if op is aten.mul else scale / c
+    return float(scale)
+
+
 _ONE = {aten._to_copy, aten.clone, aten.alias, torch.ops.prims.convert_element_type}  # d/dx = 1 (a cast passes
 # the gradient straight through, as autograd does)
 # ops a data mask's tile skipping allows before the mask (`_data_mask`): finite scores stay finite

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fuser.graph import constant_value, fake_mode_of, insert, meta, operands, packet, real_tensors, shape
+from fuser.graph import constant_value, fake_mode_of, insert, meta, operands, packet, real_tensors, replace_output, shape
 from fuser.indexing import Sizes
 from .attention import structure_of
 
@@ -222,7 +222,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
                                          "SDPA would round it")
                 c = build(aten._to_copy.default, c, dtype=qdt)
             checked = c
-            sources = _sources(checked) if c is not None and value is None else []
+            sources = mask_sources(checked) if c is not None and value is None else []
             filled = any(packet(n) in (aten.masked_fill, aten.where) for n in att.chain)
             if not set(sources) <= set(buffers) or m != shape(k)[2] or att.dropout or not filled:  # a padding mask (new every call), or
                 sources = []  # a decode step (torch's causal mask is square), a bias (T5's: no fill)
@@ -280,11 +280,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     if att.safe:
         text.append("SDPA's math path as the tracer decomposed it (_safe_softmax: a fully masked row gives 0), "
                     + ("run on the program's 16-bit q, k, v" if low else "q and k scales folded"))
-    if meta(out).stride() != meta(att.out).stride():  # SDPA's output in its own memory order ([B, M, H, D]):
-        for u in list(att.out.users):  # a view that needed the bmm's order (Falcon's flatten(0, 1)) reshapes
-            if u.target in (aten.view.default, aten._unsafe_view.default):
-                u.target = aten.reshape.default
-    att.out.replace_all_uses_with(out)
+    replace_output(att.out, out)  # SDPA's output may be in its own memory order ([B, M, H, D])
     for n in reversed(att.nodes):
         if not n.users:
             graph.erase_node(n)
@@ -382,7 +378,7 @@ def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:
     return build(aten.where.self, build(aten.isinf.default, c), c, clamped)
 
 
-def _sources(mask: fx.Node) -> list:
+def mask_sources(mask: fx.Node) -> list:
     """The graph inputs a mask is computed from, or [] where it also draws random numbers."""
     seen, todo, found = set(), [mask], []
     while todo:

@@ -73,6 +73,8 @@ def parse(argv):
     p.add_argument("--out", help="rank 0 writes the results here as JSON")
     p.add_argument("--trace", help="with --profile: each rank writes its profiled steps here as a gzipped Chrome "
                    "trace, FILE.rank<r>.json.gz (the timeline: where the GPU waits, on what)")
+    p.add_argument("--sync-debug", action="store_true", help="CUDA: after the timed steps, 2 steps under torch.cuda's "
+                   "sync debug mode; rank 0 prints where the host waited for the GPU (see sync_points)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, 3 under torch.profiler and 3 under cProfile: rank 0 prints "
                         "its kernels and its host's busiest functions")
@@ -186,6 +188,34 @@ def profile(model, ids, device: torch.device, steps: int = 3, trace: str | None 
                 ours=[(f"{Path(f).name}:{line}({name})", v[3] * 1e3 / steps, v[0] / steps) for (f, line, name), v in cum])
 
 
+def sync_points(model, ids, steps: int = 2) -> list:
+    """Where a warm step makes the host wait for the GPU (torch.cuda's sync debug mode): [(calls a step, the
+    Python frames that made the call, innermost last)].  FSDP2 prefetches the next layer's all-gather only as far
+    as the host runs ahead of the GPU: a wait inside a step serialises its communication with its compute."""
+    import traceback
+    import warnings
+    seen: dict = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in traceback.extract_stack()[:-2]
+                  if "/warnings.py" not in f.filename][-8:]
+        seen[tuple(frames)] = seen.get(tuple(frames), 0) + 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    torch_mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():  # restores showwarning and the filters
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                model(ids).backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode(torch_mode)
+    return sorted(((n / steps, list(k)) for k, n in seen.items()), key=lambda x: -x[0])
+
+
 def fusion(reports) -> dict:
     """What fuser did on rank 0 (the JSON's "fusion"): graphs compiled (backward ones among them),
     attention and losses claimed before autograd, regions fused in the forward and backward graphs,
@@ -220,6 +250,7 @@ def main(argv=None):
     losses, times, peak = train(model, ids.chunk(world)[rank], size["lr"], args.steps, device, world)
     kernels = profile(model, ids.chunk(world)[rank], device, trace=f"{args.trace}.rank{rank}.json.gz" if args.trace else None) \
         if args.profile else None
+    syncs = sync_points(model, ids.chunk(world)[rank]) if args.sync_debug and cuda else None
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
     del model  # its memory, before rank 0's reference
@@ -235,7 +266,7 @@ def main(argv=None):
                   device=torch.cuda.get_device_name(device) if cuda else "cpu", world_size=world,
                   losses={"distributed": losses, "reference": reference}, rtol=TOLERANCE[dtype],
                   median_step_ms=median * 1e3, peak_mib=peaks, compile_s=times[0] - median,
-                  fusion=fusion(fuser.reports()) if args.backend == "fuser" else None, kernels=kernels)
+                  fusion=fusion(fuser.reports()) if args.backend == "fuser" else None, kernels=kernels, syncs=syncs)
     print(f"{args.wrap} + {args.backend}: {world} x {result['device']}, {result['dtype']}, size {args.size}")
     print(f"{'step':>4}  {'distributed':>12}  {'reference':>12}  {'rel diff':>9}  {'ms':>9}")
     for step, (d, r, t) in enumerate(zip(losses, reference, times)):
@@ -255,6 +286,10 @@ def main(argv=None):
         print("fuser's functions (cumulative ms and calls a step):")
         for row in kernels["ours"]:
             print(f"  {row[1]:8.3f}  {row[2]:6.0f}  {row[0][:110]}")
+    if syncs is not None:
+        print(f"host waits for the GPU in a warm step: {sum(n for n, _ in syncs):.0f}")
+        for n, frames in syncs[:12]:
+            print(f"  {n:5.1f}  " + " <- ".join(reversed(frames[-5:])))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

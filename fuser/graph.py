@@ -104,6 +104,24 @@ def replaced(gm: fx.GraphModule, changed: list) -> None:
     refresh_fake(gm, changed)
 
 
+def replace_output(old: fx.Node, new: fx.Node) -> None:
+    """`old`'s uses go to `new`, an op's output that may be laid out otherwise than `old` (SDPA's memory order,
+    our attention op's): its views (Falcon's flatten(0, 1)) become reshapes.  Recorded on `old` for the units
+    found in the same pass that read it (attentions chained with no projection between): see `current`."""
+    for u in list(old.users):
+        if u.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+            u.target = torch.ops.aten.reshape.default
+    old.replace_all_uses_with(new)
+    old.meta["replaced_by"] = new
+
+
+def current(n):
+    """What `n` stands for now: the node that replaced it (`replace_output`), or `n`."""
+    while isinstance(n, fx.Node) and "replaced_by" in n.meta:
+        n = n.meta["replaced_by"]
+    return n
+
+
 def operands(n: fx.Node) -> list[fx.Node]:
     """Node operands in order (cat's list flattened): what n must wait for, even where it reads no data."""
     out = []

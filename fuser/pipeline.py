@@ -17,7 +17,7 @@ from fuser.codegen import attention as attention_codegen
 from fuser.codegen import sdpa
 from fuser.codegen.kernel import CodegenError, generate
 from fuser.codegen.score_mod import score_mod
-from fuser.patterns.attention import extra_forms, find, mask_structure, normalize_attention
+from fuser.patterns.attention import extra_forms, find, mask_structure, normalize_attention, resolved
 
 from . import ops
 from .cost import eager_cost, tensor_bytes
@@ -195,6 +195,7 @@ def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, s
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     buffers = {inputs[i] for i in static if i < len(inputs)}
     for a in find(gm.graph, cg):
+        a = resolved(a)  # its operands as the lowerings before it left them
         try:
             with target(meta(a.q).device.type):
                 entry = _attention_report(a, cg, "sdpa", "", graph_index, len(report.regions), hints, "")

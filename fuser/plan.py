@@ -74,14 +74,17 @@ class TensorSig:
         return TensorSig(tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def attention_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages).
+def attention_plan(head_dim: int, dtype, on_gpu: bool, listed: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); `listed`: the kernel walks a data mask's tile lists.
 
-    GPU: the fastest of a sweep on H100 (Triton 3.6; B=4, H=16, S=2048, non-causal); every pick fits Hopper's
-    227 KiB of shared memory.  bf16 confirmed on 2026-11-23 after the kernel split full tiles from masked
-    ones (bench/attention_tiles.py; causal, soft-cap, ALiBi, no mask, GQA at S2048-4096): D128 64x64, 4 warps,
-    3 stages won every row, by 6-50% over 128-row tiles; D64 128x64, 8 warps, 3 stages.  fp32 dots are IEEE, on FMA units rather than tensor cores, so they want tiles small
-    enough to keep the fp32 accumulator in registers (larger ones spill: 128x32 at D=128 ran 14x slower).
+    GPU: the fastest of sweeps (bench/attention_tiles.py, scratch sweeps of runs 50-51); every pick fits Hopper's
+    227 KiB of shared memory.  16-bit D128, tiles computed from the structure (causal, soft-cap, ALiBi, no mask,
+    GQA; H100 run 20, H200 run 51): 64x64, 4 warps, 3 stages, by 6-50% over 128-row tiles; over a data mask's
+    lists (H200 runs 50-51): 128x64, 8 warps, 3 stages (0.62 against 0.74 ms with padding, 0.83 against 0.96
+    causal).  16-bit D64 (H200 runs 50-51, soft-cap and lists): 64x64, 4 warps, 3 stages (0.24 against 0.31 ms
+    for 128x64, 8 warps, which won H100's run 20 on a chain with no score mod).  fp32 dots are IEEE, on FMA
+    units rather than tensor cores, so they want tiles small enough to keep the fp32 accumulator in registers
+    (larger ones spill: 128x32 at D=128 ran 14x slower).
     CPU (interpreter): small tiles keep the numpy emulation fast and still exercise several blocks.
     """
     if not on_gpu:
@@ -91,15 +94,18 @@ def attention_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, int, i
             return 128, 32, 4, 2
         return (32, 64, 4, 2) if head_dim <= 128 else (32, 32, 4, 2)
     if head_dim <= 64:
-        return 128, 64, 8, 3
-    return (64, 64, 4, 3) if head_dim <= 128 else (128, 64, 8, 2)
+        return 64, 64, 4, 3
+    if head_dim <= 128:
+        return (128, 64, 8, 3) if listed else (64, 64, 4, 3)
+    return 128, 64, 8, 2
 
 
 def attention_bwd_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the attention backward's two kernels.  GPU, 16-bit,
-    D128: 64x64, 4 warps, 2 stages won a sweep of 8 on H100 (bench/attention_tiles.py --backward,
-    2026-11-24 run 24: soft-cap 5.02 ms a step against 5.88 with the forward's 3 stages; ALiBi 4.16
-    against 4.47); other head dims and dtypes take the forward's plan until swept."""
-    if on_gpu and dtype != torch.float32 and 64 < head_dim <= 128:
-        return 64, 64, 4, 2
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the attention backward's two kernels.  GPU, 16-bit:
+    D128 64x64, 4 warps, 2 stages won sweeps of 6-8 (H100 run 24: soft-cap 5.02 ms a step against 5.88 with 3
+    stages; H200 run 51: soft-cap and a padding mask's lists, 128x64 8 warps within 7% on dK/dV, 30% slower on
+    dQ); D64 64x64, 4 warps, 3 stages (H200 runs 50-51: 0.46 ms of dK/dV + dQ over lists against 0.73 for the
+    forward's old 128x64, 8 warps).  Other head dims and dtypes take the forward's plan until swept."""
+    if on_gpu and dtype != torch.float32 and head_dim <= 128:
+        return (64, 64, 4, 2) if head_dim > 64 else (64, 64, 4, 3)
     return attention_plan(head_dim, dtype, on_gpu)

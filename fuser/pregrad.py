@@ -24,8 +24,6 @@ Autocast switched inside the graph is kept: the trace records the casts it makes
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import operator
 
 import torch
@@ -35,17 +33,17 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fuser.codegen import sdpa
-from fuser.codegen.attention import LinearBias, ScoreMod, attention_source, prepare
-from fuser.codegen.attention_bwd import attention_bwd_source, prepare_bwd
-from fuser.codegen.score_mod import score_mod
-from fuser.graph import ComputeGraph, meta
+from fuser.codegen.attention import LinearBias
+from fuser.codegen.score_mod import plain_scale, score_mod
+from fuser.graph import ComputeGraph, meta, replace_output
 from fuser.patterns import cross_entropy
-from fuser.patterns.attention import safe_rows, dropout_site, extra_forms, find, mask_structure, normalize_attention
+from fuser.patterns.attention import (dropout_site, extra_forms, find, mask_structure, normalize_attention, resolved,
+                                     safe_rows)
 
-from .dropout import check as check_dropout, dropout_op
+from .attention_op import flash_attention_op, register_mod, register_site
+from .dropout import dropout_op
 from .dtypes import target
 from .linear_ce import linear_cross_entropy_op
-from .runtime import call_directly, run_attention, run_kernels
 
 aten = torch.ops.aten
 
@@ -177,12 +175,14 @@ def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:
     notes, fixups = [], {}
     learned = _needing_grad(traced.graph, example_inputs)
     data = _from_tensors(traced.graph)
+    static = _static(traced.graph, example_inputs)
     for a in find(traced.graph, cg):
+        a = resolved(a)  # its operands as the claims before it left them
         if any(e in data and e not in learned for e in a.extras):  # a learned bias goes to SDPA where it can, else ours
             # A data mask (padding, say) can mask a row's every key with a finite fill, where eager's probabilities
             # are uniform: SDPA's backward recomputes them from a log-sum-exp that lost them (-1e36 + log N rounds
             # to -1e36); ours keeps the row maximum and the log of the row sum apart.
-            why, how = _claim_for_our_kernel(traced, a, cg, learned)
+            why, how = _claim_for_our_kernel(traced, a, cg, learned, static)
             notes.append(f"attention in training left to its ops (a data mask or bias: not SDPA, whose backward loses "
                          f"a row it masks whole; not our kernel: {why})" if why else
                          "attention claimed before autograd (our kernel and its backward; not SDPA: a data mask or "
@@ -191,7 +191,7 @@ def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:
         try:
             text, _ = sdpa.lower(traced, a, fixups)
         except sdpa.NotExpressible as e:
-            why, how = _claim_for_our_kernel(traced, a, cg, learned)
+            why, how = _claim_for_our_kernel(traced, a, cg, learned, static)
             if why:
                 notes.append(f"attention in training left to its ops (not SDPA: {e}; not our kernel: {why})")
             else:
@@ -289,14 +289,23 @@ def _needing_grad(graph: fx.Graph, example_inputs) -> set:
                                   if isinstance(x, torch.Tensor) and x.requires_grad])
 
 
-def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set) -> tuple[str | None, str]:
+def _static(graph: fx.Graph, example_inputs) -> set:
+    """The placeholders that are parameters and buffers (the same tensors every call), as Dynamo marks them."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return {n for n, x in zip(placeholders, example_inputs) if getattr(x, "_dynamo_static_input_type", None)}
+
+
+def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set, static: set = frozenset()) -> tuple[str | None, str]:
     """Rewrites attention `a` as one `fuser::flash_attention` call; returns (why not, with the graph
-    unchanged, or None; what the note adds).  `learned`: the nodes that need a gradient."""
+    unchanged, or None; what the note adds).  `learned`: the nodes that need a gradient; `static`: the
+    parameters and buffers, from which alone a data mask is checked at run time (fuser/attention_op.py)."""
     if a.safe:
         return "SDPA's math path (fully masked rows give 0)", ""
     if any(meta(n).device != meta(a.q).device for n in a.inputs):
         return "operands on several devices", ""
     dtype, head_dim = meta(a.q).dtype, meta(a.q).shape[-1]
+    if not isinstance(head_dim, int):
+        return f"a head dim that varies between calls ({head_dim}: the kernel is made for a static head dim)", ""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (isinstance(head_dim, int) and head_dim <= 256):
         return f"{dtype} q with head dim {head_dim} (the kernel takes 16- and 32-bit floats, head dims up to 256)", ""
     try:
@@ -314,16 +323,27 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set)
     with gm.graph.inserting_before(a.out):
         extras = [_what_the_kernel_reads(gm.graph, e, mod.form(i)) for i, e in enumerate(a.extras)]
         seeds = [_draw_seed(gm.graph, meta(a.q).device)] if a.dropout else []  # a seed per site: counters from 0
-        call = gm.graph.call_function(torch.ops.fuser.flash_attention.default,
-                                      (a.q, a.k, a.v, extras, 1.0, register_mod(mod), float(a.dropout), seeds))
+        sources = sdpa.mask_sources(a.extras[mod.data_mask[0]]) if mod.data_mask else []
+        site, flash = -1, None
+        if sources and set(sources) <= static:  # nanoGPT's causal buffer, Mistral's window: checked at run time
+            flash = plain_scale(a.scores, a.chain, a.extras, mod.data_mask[0]) if not a.dropout else None
+            site = register_site(flash)
+        call = gm.graph.call_function(flash_attention_op._opoverload,
+                                      (a.q, a.k, a.v, extras, 1.0, register_mod(mod), float(a.dropout), seeds, site,
+                                       sources if site >= 0 else []))
         out = gm.graph.call_function(operator.getitem, (call, 0))
         if meta(a.out).dtype != meta(a.q).dtype:
             out = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (out, meta(a.out).dtype))
-    a.out.replace_all_uses_with(out)
+    out.meta["val"] = meta(a.out)  # for the claims after this one (AOT's trace gives the op's own, in q's layout)
+    replace_output(a.out, out)  # the op's output is in q's layout (SDPA's rule), not the bmm's
     for n in reversed(a.nodes):
         if not n.users:
             gm.graph.erase_node(n)
     kind = mod.data_mask and str(mod.data_mask[2]).removeprefix("torch.")
+    if site >= 0:
+        return None, (f"; its {kind} mask, made from parameters and buffers, checked at run time: where causal or a "
+                      f"window, {'SDPA (causal) or ' if flash is not None else ''}our kernel made for that structure; else "
+                      "the tiles it masks whole skipped, listed per call")
     return None, f"; the tiles its {kind} mask masks whole skipped, listed per call" if kind else ""
 
 
@@ -336,93 +356,3 @@ def _what_the_kernel_reads(graph: fx.Graph, e: fx.Node, form) -> fx.Node:
     k = slice(1, 2) if isinstance(form, LinearBias) else slice(0, 1)
     one_row = graph.call_function(aten.slice.Tensor, (e, -2, 0, 1))
     return graph.call_function(aten.clone.default, (graph.call_function(aten.slice.Tensor, (one_row, -1, k.start, k.stop)),))
-
-
-# ------------------------------------------------------------------ the custom op and its gradient
-_MODS: dict[str, ScoreMod] = {}
-
-
-def register_mod(mod: ScoreMod) -> str:
-    """The op takes the score mod by name (a custom op's arguments are tensors and plain values)."""
-    key = hashlib.sha256(repr(mod).encode()).hexdigest()[:20]
-    _MODS[key] = mod
-    return key
-
-
-@functools.lru_cache(maxsize=128)
-def _source(make, mod: ScoreMod, head_dim: int, dtype, device_type: str, dropout: float) -> str:
-    with target(device_type):
-        return make(mod, head_dim, dtype, dropout)
-
-
-def _check_dropout(q: torch.Tensor, dropout: float, seeds: list[torch.Tensor]) -> torch.Tensor | None:
-    """The seed of dropout on the probabilities, or None without dropout.  The ops take it as a list of
-    zero or one tensors: torch.library's autograd glue mis-structures an optional tensor passed as None."""
-    torch._check(len(seeds) == (1 if dropout else 0),
-                 lambda: f"fuser::flash_attention: dropout {dropout} with {len(seeds)} seeds (one with dropout, else none)")
-    if not dropout:
-        return None
-    check_dropout(q, seeds[0], dropout)
-    return seeds[0]
-
-
-@torch.library.custom_op("fuser::flash_attention", mutates_args=())
-def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: list[torch.Tensor],
-                       scale: float, mod: str, dropout: float,
-                       seeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(mod(q @ k^T * scale)) @ v, and [2, B, H, M]: each row's maximum score and the log of its
-    sum of exponentials (kept apart for the backward; their sum is the log-sum-exp), by our forward kernel."""
-    seed = _check_dropout(q, dropout, seeds)
-    m = _MODS[mod]
-    source = _source(attention_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
-    return run_attention(source, prepare, q, k, v, tuple(extras), mod=m, scale=scale, return_lse=True, seed=seed)
-
-
-@flash_attention_op.register_fake
-def _(q, k, v, extras, scale, mod, dropout, seeds):
-    _check_dropout(q, dropout, seeds)
-    return q.new_empty(q.shape), q.new_empty((2, *q.shape[:3]), dtype=torch.float32)
-
-
-@torch.library.custom_op("fuser::flash_attention_backward", mutates_args=())
-def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                out: torch.Tensor, lse: torch.Tensor, extras: list[torch.Tensor], scale: float,
-                                mod: str, dropout: float,
-                                seeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """dq, dk, dv by our backward kernels (dk, dv summed over the query heads of each K/V head), and the
-    gradients of the extras the score mod's `bias_grads` names (learned biases), in their dtypes."""
-    seed = _check_dropout(q, dropout, seeds)
-    m = _MODS[mod]
-    source = _source(attention_bwd_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
-    dq, dk, dv, dextras, launches, args, meta, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
-                                                                   scale=scale, seed=seed)
-    run_kernels(first + [(source, name, grid, args, meta) for name, grid in launches], q.device.type)
-    return dq, dk.to(k.dtype), dv.to(v.dtype), [g.to(extras[i].dtype) for (i, _), g in zip(m.bias_grads, dextras)]
-
-
-@flash_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, extras, scale, mod, dropout, seeds):
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            [extras[i].new_empty(extras[i].shape) for i, _ in _MODS[mod].bias_grads])
-
-
-def _setup(ctx, inputs, output):
-    q, k, v, extras, scale, mod, dropout, seeds = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], *seeds, *extras)  # the seed, never the dropout mask
-    ctx.scale, ctx.mod, ctx.dropout, ctx.n_seeds = scale, mod, dropout, len(seeds)
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, *rest = ctx.saved_tensors
-    seeds, extras = rest[:ctx.n_seeds], rest[ctx.n_seeds:]
-    dq, dk, dv, learned = flash_attention_backward_op(dout, q, k, v, out, lse, extras, ctx.scale, ctx.mod, ctx.dropout,
-                                                      seeds)
-    dextras = [None] * len(extras)
-    for (i, _), g in zip(_MODS[ctx.mod].bias_grads, learned):
-        dextras[i] = g
-    return dq, dk, dv, dextras, None, None, None, [None] * len(seeds)
-
-
-flash_attention_op.register_autograd(_backward, setup_context=_setup)
-call_directly(flash_attention_op)
-call_directly(flash_attention_backward_op)

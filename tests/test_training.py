@@ -267,6 +267,100 @@ def test_data_mask_after_another_mask_skips_no_tiles(device):
     assert not any("masks whole skipped" in n for n in notes), notes
 
 
+class _LayersSharingAMask(torch.nn.Module):
+    """Two attention layers reading one padding mask (an input: data, new every call), as a model's layers do."""
+
+    def forward(self, q, k, v, pad):
+        for _ in range(2):
+            s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + pad
+            q = torch.softmax(s, -1) @ v
+        return q
+
+
+def test_layers_sharing_a_data_mask_make_its_tile_lists_once(device, monkeypatch):
+    """The tile lists of a data mask are made once for the forwards of the layers sharing it and once for their
+    backwards (fuser/attention_op.py's cache, keyed by the mask's address, layout and version); a mask written in
+    place between calls gets new lists.  Gradients match eager."""
+    import fuser.codegen.attention as codegen_attention
+    made = []
+    real = codegen_attention.list_launches
+    monkeypatch.setattr(codegen_attention, "list_launches", lambda *a: made.append(a[-1]) or real(*a))
+    torch.manual_seed(26)
+    fused = fuser.fuse(_LayersSharingAMask())
+    pad = torch.zeros(2, 1, 1, 40, device=device)
+    pad[1, ..., 30:] = torch.finfo(torch.float32).min
+    for step in range(2):
+        if step == 1:
+            pad[0, ..., 25:] = torch.finfo(torch.float32).min  # written in place: its version changes
+        q, k, v = (torch.randn(2, 2, 40, 16, device=device, requires_grad=True) for _ in range(3))
+        twin = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        w = torch.randn(2, 2, 40, 16, device=device)
+        got = torch.autograd.grad((fused(q, k, v, pad) * w).sum(), (q, k, v))
+        want = torch.autograd.grad((_LayersSharingAMask()(*twin, pad) * w).sum(), twin)
+        torch.testing.assert_close(got, want, **tol(torch.float32, 3))  # 3: two attentions deep
+    assert made == [False, True] * 2, made  # per step: the forwards' lists, the backwards' (by query and by key)
+    assert any("masks whole skipped" in n for n in _claims(fused)), _claims(fused)
+
+
+class _BufferMasked(torch.nn.Module):
+    """nanoGPT's attention: the causal mask a buffer, sliced to the length and compared; `softcap`: a chain
+    SDPA cannot express; `groups` query heads a K/V head, repeated as HF's repeat_kv writes it."""
+
+    def __init__(self, n, softcap, groups, device):
+        super().__init__()
+        self.softcap, self.groups = softcap, groups
+        self.register_buffer("bias", torch.ones(n, n, device=device).tril()[None, None])
+
+    def forward(self, q, k, v):
+        b, h, t, d = k.shape
+        k, v = (x[:, :, None].expand(b, h, self.groups, t, d).reshape(b, h * self.groups, t, d) for x in (k, v))
+        s = (q @ k.transpose(-1, -2)) * d ** -0.5
+        if self.softcap:
+            s = 5.0 * torch.tanh(s / 5.0)
+        s = s.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("softcap", [False, True])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_a_mask_in_a_buffer_is_checked_at_run_time_in_training(softcap, groups, device, monkeypatch):
+    """A data mask made from a buffer alone is checked when first seen and again only when the buffer is written
+    (its version): causal, it runs SDPA's flash kernels forward and backward where the chain is the mask and a
+    scale (16-bit CUDA), else our kernels made for the structure; a window, ours for the window; no structure,
+    ours over the tile lists.  The backward takes its forward's path.  Gradients match an fp32 eager reference
+    at every step."""
+    from fuser import attention_op
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(25)
+    model = _BufferMasked(48, softcap, groups, device)
+    fused = fuser.fuse(model)
+    forward, backward, checks = [], [], []
+    take, bwd, structure = attention_op._take, attention_op.prepare_bwd, attention_op.mask_structure
+    monkeypatch.setattr(attention_op, "_take", lambda *a: forward.append(take(*a)) or forward[-1])
+    monkeypatch.setattr(attention_op, "prepare_bwd", lambda *a, **kw: backward.append(
+        "lists" if kw["mod"].data_mask else "structured") or bwd(*a, **kw))
+    monkeypatch.setattr(attention_op, "mask_structure", lambda *a: checks.append(structure(*a)) or checks[-1])
+    for step in range(6):
+        if step == 2:  # a window of 5 keys: Mistral's sliding window
+            model.bias.tril_().triu_(-4)
+        if step == 4:  # no structure left (each row still keeps its own key)
+            model.bias[..., 20, 2] = 1.0
+        q = torch.randn(2, 3 * groups, 37, 16, device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(2, 3, 37, 16, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        w = torch.randn(2, 3 * groups, 37, 16, device=device, dtype=dtype)
+        got = torch.autograd.grad((fused(q, k, v) * w).float().sum(), (q, k, v))
+        ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
+        want = torch.autograd.grad((model(*ref) * w.float()).sum(), ref)
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g.float(), e, **tol(dtype, 3))  # 3: bf16 P and dS against fp32's
+    flash = device == "cuda" and not softcap
+    assert [t and t[0] for t in forward] == ["sdpa" if flash else "structured"] * 2 + ["structured"] * 2 + [None] * 2
+    assert backward == ([] if flash else ["structured"] * 2) + ["structured"] * 2 + ["lists"] * 2, backward
+    assert [c and c[:2] for c in checks] == [(0, None), (0, 5), None], checks  # once per value of the buffer
+    notes = _claims(fused)
+    assert any("checked at run time" in n for n in notes), notes
+
+
 def test_t5_learned_position_bias_trains_through_our_kernel(device):
     """T5's attention adds a learned relative-position bias (an embedding's output, with the padding mask
     added to it): claimed before autograd as our kernel, whose backward also gives the bias's gradient
@@ -348,7 +442,7 @@ def test_our_ops_are_called_as_python_functions_in_the_program(device):
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, **tol(torch.float32))
     forward, backward = ("\n".join(r.code) for r in fuser.reports()[-2:])
-    assert "fuser_pregrad_flash_attention_op(" in forward and "fuser_pregrad_flash_attention_backward_op(" in backward
+    assert "fuser_attention_op_flash_attention_op(" in forward and "fuser_attention_op_flash_attention_backward_op(" in backward
     assert "torch.ops.fuser" not in forward + backward
 
 
@@ -356,9 +450,10 @@ def test_attention_over_a_head_dim_that_varies_is_left_with_its_reason(device):
     """The same attention code called with a second head dim: Dynamo recompiles with the head dim symbolic, which
     the recogniser does not take (a kernel is made for one head dim).  The second graph's notes say the
     attention was left to its ops and why (no silent stop), and its gradients are eager's; the first graph's
-    attention was claimed."""
+    attention was claimed.  Soft-capped, so that only our kernel can take it (SDPA, on CUDA, takes a plain
+    causal attention whatever its head dim)."""
     def attention(q, k, v):
-        s = (q @ k.transpose(-1, -2)) * 0.3
+        s = 5.0 * torch.tanh((q @ k.transpose(-1, -2)) * 0.3 / 5.0)
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
         return torch.softmax(s, -1) @ v
     torch._dynamo.reset()
