@@ -7,6 +7,7 @@ soft-capping) as a :class:`ScoreMod`; :func:`attention_source` splices it into o
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -506,9 +507,10 @@ def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m:
     """(Each extra with its [B, Hq, M, N] strides (0 where it broadcasts), then, with a data mask, its tile
     lists per query block and, with `by_keys` (the backward's blocks), per key block; the launches that
     fill those lists, to run first: `list_launches`).  `lists_cache`: a mapping that keeps lists made
-    before for the same mask tensor (its address, layout and version: the entry holds the tensor, so the
-    address is not another tensor's while it is there) and the same blocks: the layers of a model that
-    share one mask make its lists once a step (the caller does not pass one under CUDA-graph capture)."""
+    before for the same mask tensor (the same object, alive; its address, layout and version; the entry
+    holds its storage, so that the address is no other tensor's while it is there) and the same blocks: the
+    layers of a model that share one mask make its lists once a step.  The caller passes one only for a mask
+    whose writes bump its version (not a buffer a graph's program writes over; not under CUDA-graph capture)."""
     args = []
     for e in extras:
         e = e.expand(B, Hq, M, N)
@@ -521,12 +523,12 @@ def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m:
         mask.data_ptr(), mask.device, tuple(mask.shape), mask.stride(), mask.dtype, mask._version, kind, B, Hq, M, N,
         block_m, block_n, by_keys)
     made = lists_cache.get(key) if key is not None else None
-    if made is not None:
-        lists, launches = made[1], []
+    if made is not None and made[0]() is mask:
+        lists, launches = made[2], []
     else:
         lists, launches = list_launches(mask, kind, B, Hq, M, N, block_m, block_n, by_keys)
         if key is not None:
-            lists_cache[key] = (mask, lists)
+            lists_cache[key] = (weakref.ref(mask), mask.untyped_storage(), lists)
     for blocks in lists:
         args += [blocks, *blocks.stride()[:4]]
     return args, launches

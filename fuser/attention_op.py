@@ -15,11 +15,11 @@ window over the positions:
     mask not read).
 Every path gives the forward's output and its row statistics in one layout, [2, B, H, M] (row maximum,
 log of the row sum; SDPA's log-sum-exp with a zero log-sum), which every backward path reads; the
-backward takes the path its forward took (`_TAKEN`, keyed by the output's address: an output alive
-for its backward is the last one made there), else the tile lists, which are right for any mask.
+backward takes the path its forward took (`_TAKEN`, keyed by the output's address and checked against its
+storage), else the tile lists, which are right for any mask.
 The check syncs with the host, so it never runs under CUDA-graph capture (the lists are captured).
 
-Output layout: SDPA's (q's dim order, `_out_like`).
+Output layout: contiguous (`_out_like`).
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ import functools
 import hashlib
 import logging
 import weakref
-from collections import OrderedDict
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend
 
 from fuser.codegen.attention import DEAD_FILL, IndexMask, ScoreMod, attention_source, prepare, structure_of
@@ -38,7 +38,7 @@ from fuser.codegen.attention_bwd import attention_bwd_source, prepare_bwd
 
 from .dropout import check as check_dropout
 from .dtypes import target
-from .runtime import call_directly, run_attention, run_kernels
+from .runtime import Recent, call_directly, lists_cache, run_attention, run_kernels
 
 log = logging.getLogger("fuser")
 aten = torch.ops.aten
@@ -66,32 +66,9 @@ class Site:
 
 _SITES: list[Site] = []
 RECHECKS = 3  # sources that are new tensors every call: checked this many times, then the lists are used
-_TAKEN: OrderedDict = OrderedDict()  # forward output's data_ptr -> ("sdpa", scale, backend) | ("structured", mod) | None
-_TAKEN_KEPT = 4096  # an entry dropped early costs its backward the lists path, never a wrong answer
-
-
-class _Recent(OrderedDict):
-    """The last few entries put (oldest dropped first), for `_extra_args`'s tile lists: a model's layers share one
-    mask, so the lists made for the first layer's forward (and backward) serve the others'."""
-
-    def __init__(self, kept: int):
-        super().__init__()
-        self.kept = kept
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.kept:
-            self.popitem(last=False)
-
-
-_LISTS = _Recent(4)  # each entry holds its mask alive: few
-
-
-def _lists_cache(q: torch.Tensor):
-    """The tile lists' cache, none under CUDA-graph capture (lists made outside a graph would be replayed over
-    masks written into the same addresses)."""
-    return None if q.is_cuda and torch.cuda.is_current_stream_capturing() else _LISTS
+# forward output's data_ptr -> (its storage, weakly; ("sdpa", scale, backend) | ("structured", mod) | None); an
+# entry dropped early costs its backward the lists path, never a wrong answer
+_TAKEN = Recent(4096)
 
 
 def register_site(sdpa_scale: float | None) -> int:
@@ -146,14 +123,15 @@ def mask_structure(extra: torch.Tensor, kind: str, m: int, n: int) -> tuple[int,
 
 
 def _checked(site: int, sources: list[torch.Tensor], extras, mod: ScoreMod, m: int, n: int):
-    """The structure of the site's data mask this call, from its memo where the sources are those checked."""
-    if site < 0 or not mod.data_mask:
+    """The structure of the site's data mask this call, from its memo where the sources are those checked; None
+    under CUDA-graph capture (a replay would keep the path of the capture whatever the buffers hold later)."""
+    if site < 0 or not mod.data_mask or (extras[0].is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     s = _SITES[site]
     if s.stamp is not None and len(s.stamp) == len(sources) and all(
             r() is x and version == x._version for (r, version), x in zip(s.stamp, sources)):
         return s.structure
-    if s.checks >= RECHECKS or (extras[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+    if s.checks >= RECHECKS:
         return None
     i, kind, _ = mod.data_mask
     s.stamp = [(weakref.ref(x), x._version) for x in sources]
@@ -184,8 +162,8 @@ def _sdpa_backend(q, k, v, scale: float, dropout: float, structure: tuple) -> in
     backend switches included), where it is flash or cuDNN (their private ops are called with the forward's
     statistics kept for the backward); None where SDPA cannot compute it: a causal mask from the top-left
     (offset 0, no window), no dropout, CUDA."""
-    if structure[0] != 0 or structure[1] is not None or dropout or not q.is_cuda:
-        return None
+    if structure[0] != 0 or structure[1] is not None or dropout or not q.is_cuda or q.shape[-1] % 8 or q.shape[-1] > 128:
+        return None  # head dims: as SDPA pads them (its private ops do not), and within every GPU's backward
     choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return choice if choice in (_FLASH, _CUDNN) else None
 
@@ -204,28 +182,35 @@ def _take(q, k, v, extras, mod: ScoreMod, dropout: float, site: int, sources, sc
     return ("structured", _structured(mod, structure))
 
 
-def _remember(out: torch.Tensor, taken) -> None:
-    _TAKEN[out.data_ptr()] = taken
-    _TAKEN.move_to_end(out.data_ptr())
-    while len(_TAKEN) > _TAKEN_KEPT:
-        _TAKEN.popitem(last=False)
-
-
 def _out_like(q: torch.Tensor) -> torch.Tensor:
-    """SDPA's output layout (torch's meta for its flash and cuDNN ops): q's where q is dense, else contiguous.
-    A q viewed from [B, M, H, D] gives an output the model's `transpose(1, 2).reshape(B, M, H * D)` reads
-    without a copy."""
-    return torch.empty_like(q)
+    """The op's output: contiguous, the layout the replaced `P @ V` had, whatever reads it (a view, an
+    expand then a view, ...).  Decision: SDPA's output in q's layout is copied where they differ (a q viewed
+    from [B, M, H, D]); a layout of q's own broke views after an expand (found by review)."""
+    return q.new_empty(q.shape)
+
+
+def _taken(out: torch.Tensor):
+    """The path of the forward that made `out`: its entry where it was made for this very storage (alive: a
+    tensor brought back by a saved-tensor hook, or another one at a freed address, finds none), else None
+    (the tile lists, right for any forward: every path's statistics are one log-sum-exp)."""
+    if out.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # the forward was captured over the lists too (`_checked`)
+    entry = _TAKEN.get(out.data_ptr())
+    if entry is None or entry[0].expired() or entry[0] != StorageWeakRef(out.untyped_storage()):
+        return None
+    return entry[1]
 
 
 # ------------------------------------------------------------------------------ the custom ops and their gradient
 @torch.library.custom_op("fuser::flash_attention", mutates_args=())
 def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: list[torch.Tensor],
                        scale: float, mod: str, dropout: float, seeds: list[torch.Tensor], site: int,
-                       sources: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                       sources: list[torch.Tensor], keep_lists: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(mod(q @ k^T * scale)) @ v, and [2, B, H, M]: each row's maximum score and the log of its
     sum of exponentials (kept apart for the backward; their sum is the log-sum-exp).  `site` >= 0: a call
-    site whose data mask is made from `sources` (parameters, buffers), checked at run time (module doc)."""
+    site whose data mask is made from `sources` (parameters, buffers), checked at run time (module doc).
+    `keep_lists`: the data mask is an input of the calling graph, whose buffers the graph's program never
+    writes over, so its tile lists may be kept for the calls after (runtime.lists_cache)."""
     seed = _check_dropout(q, dropout, seeds)
     m = _MODS[mod]
     taken = _take(q, k, v, extras, m, dropout, site, sources, scale)
@@ -235,20 +220,20 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras
             o, lse = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True, False, scale=s)[:2]
         else:
             o, lse = aten._scaled_dot_product_cudnn_attention.default(q, k, v, None, True, 0.0, True, False, scale=s)[:2]
-        out = o if o.stride() == _out_like(q).stride() else _out_like(q).copy_(o)
+        out = o.contiguous()  # SDPA's output is in q's layout
         lse = lse.reshape(q.shape[:3])  # cuDNN's [B, H, M, 1]
         lse = torch.stack((lse, torch.zeros_like(lse)))  # log l = 0: the maximum's row holds the log-sum-exp
     else:
         m = taken[1] if taken is not None else m
         source = _source(attention_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
         out, lse = run_attention(source, prepare, q, k, v, tuple(extras), mod=m, scale=scale, return_lse=True,
-                                 seed=seed, out=_out_like(q), lists_cache=_lists_cache(q))
-    _remember(out, taken)
+                                 seed=seed, out=_out_like(q), lists_cache=lists_cache(q) if keep_lists else None)
+    _TAKEN[out.data_ptr()] = (StorageWeakRef(out.untyped_storage()), taken)
     return out, lse
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, extras, scale, mod, dropout, seeds, site, sources):
+def _(q, k, v, extras, scale, mod, dropout, seeds, site, sources, keep_lists):
     _check_dropout(q, dropout, seeds)
     return _out_like(q), q.new_empty((2, *q.shape[:3]), dtype=torch.float32)
 
@@ -256,13 +241,13 @@ def _(q, k, v, extras, scale, mod, dropout, seeds, site, sources):
 @torch.library.custom_op("fuser::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor, extras: list[torch.Tensor], scale: float,
-                                mod: str, dropout: float,
-                                seeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                                mod: str, dropout: float, seeds: list[torch.Tensor],
+                                keep_lists: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """dq, dk, dv (dk, dv summed over the query heads of each K/V head), and the gradients of the extras the
     score mod's `bias_grads` names (learned biases), in their dtypes; by the kernels of the forward's path."""
     seed = _check_dropout(q, dropout, seeds)
     m = _MODS[mod]
-    taken = _TAKEN.get(out.data_ptr())
+    taken = _taken(out)
     if taken is not None and taken[0] == "sdpa":
         _, s, backend = taken
         lse = (lse[0] + lse[1]).contiguous()
@@ -280,32 +265,34 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     m = taken[1] if taken is not None else m
     source = _source(attention_bwd_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
     dq, dk, dv, dextras, launches, args, meta, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
-                                                                   scale=scale, seed=seed, lists_cache=_lists_cache(q))
+                                                                   scale=scale, seed=seed,
+                                                                   lists_cache=lists_cache(q) if keep_lists else None)
     run_kernels(first + [(source, name, grid, args, meta) for name, grid in launches], q.device.type)
     return dq, dk.to(k.dtype), dv.to(v.dtype), [g.to(extras[i].dtype) for (i, _), g in zip(m.bias_grads, dextras)]
 
 
 @flash_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, extras, scale, mod, dropout, seeds):
+def _(dout, q, k, v, out, lse, extras, scale, mod, dropout, seeds, keep_lists):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             [extras[i].new_empty(extras[i].shape) for i, _ in _MODS[mod].bias_grads])
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, extras, scale, mod, dropout, seeds, _, sources = inputs
+    q, k, v, extras, scale, mod, dropout, seeds, _, sources, keep_lists = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], *seeds, *extras)  # the seed, never the dropout mask
     ctx.scale, ctx.mod, ctx.dropout, ctx.n_seeds, ctx.n_sources = scale, mod, dropout, len(seeds), len(sources)
+    ctx.keep_lists = keep_lists
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
     seeds, extras = rest[:ctx.n_seeds], rest[ctx.n_seeds:]
     dq, dk, dv, learned = flash_attention_backward_op(dout, q, k, v, out, lse, extras, ctx.scale, ctx.mod, ctx.dropout,
-                                                      seeds)
+                                                      seeds, ctx.keep_lists)
     dextras = [None] * len(extras)
     for (i, _), g in zip(_MODS[ctx.mod].bias_grads, learned):
         dextras[i] = g
-    return dq, dk, dv, dextras, None, None, None, [None] * len(seeds), None, [None] * ctx.n_sources
+    return dq, dk, dv, dextras, None, None, None, [None] * len(seeds), None, [None] * ctx.n_sources, None
 
 
 flash_attention_op.register_autograd(_backward, setup_context=_setup)

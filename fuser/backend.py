@@ -212,6 +212,7 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
 
     def backend(gm, example_inputs):
         n_dynamo_inputs[0] = len(example_inputs)
+        given = gm  # Dynamo's graph, what runs if AOT Autograd fails on the claimed one
         try:
             claimed[:] = []
             if opts["attention"] is True or opts["fused_loss"] or opts["dropout"]:
@@ -224,8 +225,8 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
             _fall_back(report, "while capturing (AOT Autograd)", e)
             record(report)
             if sink is not None:
-                sink(report, gm)
-            return GraphRunner(gm.forward, gm.forward, report, ran)
+                sink(report, given)
+            return GraphRunner(given.forward, given.forward, report, ran)
     return backend
 
 

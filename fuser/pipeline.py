@@ -199,7 +199,7 @@ def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, s
         try:
             with target(meta(a.q).device.type):
                 entry = _attention_report(a, cg, "sdpa", "", graph_index, len(report.regions), hints, "")
-                text, made = sdpa.lower(gm, a, fixups, buffers, _windowed)
+                text, made = sdpa.lower(gm, a, fixups, buffers, _windowed, _listed)
         except sdpa.NotExpressible as e:
             why[a.out] = str(e)
             continue
@@ -219,12 +219,22 @@ def _windowed(q, k, v, window: int, scale: float):
     """Causal attention over the last `window` keys of each query, its tiles outside the window
     skipped: what a sliding-window mask in a buffer runs once found at run time (sdpa.causal_or_masked)."""
     mod = attention_codegen.ScoreMod((), causal=True, window=window)
-    source = _windowed_source(mod, q.shape[-1], q.dtype, q.device.type)
+    source = _attention_source(mod, q.shape[-1], q.dtype, q.device.type)
     return run_attention(source, attention_codegen.prepare, q, k, v, (), mod=mod, scale=scale)[0]
 
 
+def _listed(q, k, v, mask, scale: float):
+    """Attention with the additive `mask` (clamped: masked at <= -1e30) over the tiles it keeps, those it masks
+    whole skipped and those it keeps whole not read: what a mask in a buffer with no structure runs
+    (sdpa.causal_or_masked).  Its lists are made per call (the mask is the graph's, its buffer may be
+    written over by the program without a version bump)."""
+    mod = attention_codegen.ScoreMod(("s = s + extra0.to(tl.float32)",), n_extra=1, data_mask=(0, "add", mask.dtype))
+    source = _attention_source(mod, q.shape[-1], q.dtype, q.device.type)
+    return run_attention(source, attention_codegen.prepare, q, k, v, (mask,), mod=mod, scale=scale)[0]
+
+
 @functools.lru_cache(maxsize=64)
-def _windowed_source(mod, head_dim: int, dtype, device_type: str) -> str:
+def _attention_source(mod, head_dim: int, dtype, device_type: str) -> str:
     with target(device_type):
         return attention_codegen.attention_source(mod, head_dim, dtype)
 

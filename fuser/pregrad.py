@@ -330,7 +330,8 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set,
             site = register_site(flash)
         call = gm.graph.call_function(flash_attention_op._opoverload,
                                       (a.q, a.k, a.v, extras, 1.0, register_mod(mod), float(a.dropout), seeds, site,
-                                       sources if site >= 0 else []))
+                                       sources if site >= 0 else [],
+                                       bool(mod.data_mask) and a.extras[mod.data_mask[0]].op == "placeholder"))
         out = gm.graph.call_function(operator.getitem, (call, 0))
         if meta(a.out).dtype != meta(a.q).dtype:
             out = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (out, meta(a.out).dtype))

@@ -638,6 +638,32 @@ class AttentionKernel(torch.nn.Module):
         return f"{self.name}: attention, {self.describe}"
 
 
+class Recent(collections.OrderedDict):
+    """The last few entries put (the oldest dropped first)."""
+
+    def __init__(self, kept: int):
+        super().__init__()
+        self.kept = kept
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.kept:
+            self.popitem(last=False)
+
+
+_LISTS = Recent(4)  # each entry holds its mask alive: few
+
+
+def lists_cache(q: torch.Tensor):
+    """Where a data mask's tile lists are kept (codegen.attention._extra_args) for the attentions that read the
+    same mask after (a model's layers, a step's backward); none under CUDA-graph capture (lists made outside a
+    graph would be replayed over masks written into the same addresses).  Keyed by the mask's version, so a
+    write that does not bump it (through `.data`, DLPack, a kernel of the user's) is not seen: as torch's
+    own checks of saved tensors."""
+    return None if q.is_cuda and torch.cuda.is_current_stream_capturing() else _LISTS
+
+
 def run_attention(source: str, prepare, q, k, v, extras=(), **kwargs):
     """Launch the attention kernel `attention_fwd` in `source` as `prepare` says (after the launches it
     asks for first: a data mask's tile lists); returns (out, lse)."""

@@ -424,7 +424,8 @@ def test_a_causal_mask_in_a_buffer_is_recognised_at_run_time(device):
     """The mask is data (a buffer), so SDPA gets it as a tensor; at run time it is found to be torch's
     causal mask and SDPA runs with is_causal=True.  Written in place (its version changes) it is
     checked again: a sliding window then runs our kernel over the window's tiles; a mask of no
-    structure is applied as given.  The output equals eager's throughout."""
+    structure runs our kernel over the tiles it keeps (its data-mask lists).  The output equals eager's
+    throughout (NaN rows included)."""
     from fuser.codegen import sdpa
     torch.manual_seed(13)
     model = _BufferMasked(40, device)
@@ -433,7 +434,8 @@ def test_a_causal_mask_in_a_buffer_is_recognised_at_run_time(device):
     calls, windowed = [], []
     real, real_run = sdpa._structure, fuser.pipeline.run_attention
     sdpa._structure = lambda *a: calls.append(real(*a)) or calls[-1]
-    fuser.pipeline.run_attention = lambda *a, **kw: windowed.append(kw["mod"].window) or real_run(*a, **kw)
+    fuser.pipeline.run_attention = lambda *a, **kw: windowed.append(kw["mod"].window or bool(kw["mod"].data_mask)) \
+        or real_run(*a, **kw)
     try:
         with torch.no_grad():
             for step in range(6):
@@ -445,7 +447,7 @@ def test_a_causal_mask_in_a_buffer_is_recognised_at_run_time(device):
     finally:
         sdpa._structure, fuser.pipeline.run_attention = real, real_run
     assert calls == [(0, None), (0, 5), None], calls  # checked once per value of the buffer, not per call
-    assert windowed == [5, 5]  # our kernel, on the two calls with the window
+    assert windowed == [5, 5, True, True]  # our kernel: over the window's tiles, then over the mask's lists
     (r,) = _attention_regions(fused)
     assert "checked at run time" in r.source and "sliding window" in r.source and r.kernel == "sdpa"
 

@@ -602,8 +602,8 @@ def test_a_buffer_found_causal_at_run_time_runs_the_structured_or_sdpa_kernels(p
                                                             enable_gqa=groups > 1) != backend[0].value:
             pytest.skip(f"SDPA does not take {path} here")
         out, lse = attention_op.flash_attention_op(*xs, [buffer], 0.3 if path == "structured" else 1.0,
-                                                   attention_op.register_mod(mod), 0.0, [], site, [buffer])
-        taken = attention_op._TAKEN[out.data_ptr()]
+                                                   attention_op.register_mod(mod), 0.0, [], site, [buffer], False)
+        taken = attention_op._taken(out)
         got = torch.autograd.grad((out * w).sum(), xs)
     assert taken[0] == ("structured" if path == "structured" else "sdpa"), taken
     assert path == "structured" or taken[2] == backend[0].value
@@ -613,3 +613,61 @@ def test_a_buffer_found_causal_at_run_time_runs_the_structured_or_sdpa_kernels(p
     want = _grads(lambda q, k, v: reference(q, k, v, 0.3, causal=True)[0], w.double(), q.double(), k.double(), v.double())
     for g, w_ in zip(got, want):
         torch.testing.assert_close(g.double(), w_, atol=BWD_TOL[dtype] * w_.abs().max().item(), rtol=BWD_TOL[dtype])
+
+
+def test_kept_tile_lists_follow_the_mask_tensor():
+    """A data mask's lists kept across calls (fuser::flash_attention with keep_lists, runtime.lists_cache) are
+    used again only for the same mask tensor, unwritten: a write in place (its version), another tensor over the
+    same memory, or the tensor pointed at other memory (`.data =`) gets new lists; the entry holds the mask's
+    storage, so no other tensor takes its address while it is kept.  Outputs match fp64 eager throughout."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    import fuser.codegen.attention as codegen_attention
+    from fuser import attention_op
+    torch.manual_seed(35)
+    B, H, M, D = 2, 2, 70, 16
+    q, k, v = qkv(B, H, H, M, M, D)
+    fill = torch.finfo(torch.float32).min
+    keys = torch.arange(M, device=DEVICE)
+    mod = ScoreMod(("s = s + extra0",), n_extra=1, grad=("g = 1.0",), data_mask=(0, "add", torch.float32))
+    key = attention_op.register_mod(mod)
+    made = []
+    real = codegen_attention.list_launches
+    codegen_attention.list_launches = lambda *a: made.append(1) or real(*a)
+
+    def run(mask):
+        out, _ = attention_op.flash_attention_op(q, k, v, [mask], 0.3, key, 0.0, [], -1, [], True)
+        check(out, reference(q, k, v, 0.3, mod=lambda s, qi, ki: s + mask.double())[0], torch.float32)
+        return len(made)
+    try:
+        mask = torch.where(keys[None, :] >= torch.tensor([50, 20], device=DEVICE)[:, None], fill, 0.0)[:, None, None]
+        mask = mask.expand(B, 1, M, M).contiguous()
+        assert run(mask) == 1 and run(mask) == 1  # kept
+        mask[0, ..., 30:] = fill  # written in place
+        assert run(mask) == 2
+        assert run(mask.view(B, 1, M, M)) == 3  # another tensor object over the same memory
+        old = StorageWeakRef(mask.untyped_storage())
+        mask.data = torch.zeros_like(mask)  # the same object, other memory
+        assert run(mask) == 4
+        gc.collect()
+        assert not old.expired()  # kept while its lists are: its address is no new tensor's
+    finally:
+        codegen_attention.list_launches = real
+
+
+def test_backward_path_is_the_forward_output_storages():
+    """The backward takes its forward's path (`attention_op._taken`) only for the very output the forward made:
+    a copy of it (a saved-tensor hook bringing it back from elsewhere) gets none, and so the tile lists."""
+    from fuser import attention_op
+    torch.manual_seed(36)
+    q, k, v = qkv(1, 2, 2, 40, 40, 16)
+    buffer = torch.ones(40, 40, device=DEVICE).triu(1).bool()
+    mod = ScoreMod(("s = tl.where(extra0, float('-inf'), s)",), n_extra=1, grad=("g = tl.where(extra0, 0.0, 1.0)",),
+                   data_mask=(0, "drop", torch.bool))
+    site = attention_op.register_site(None)
+    out, _ = attention_op.flash_attention_op(q, k, v, [buffer], 0.3, attention_op.register_mod(mod), 0.0, [], site,
+                                             [buffer], False)
+    assert attention_op._taken(out)[0] == "structured"
+    assert attention_op._taken(out.clone()) is None

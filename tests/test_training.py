@@ -267,6 +267,39 @@ def test_data_mask_after_another_mask_skips_no_tiles(device):
     assert not any("masks whole skipped" in n for n in notes), notes
 
 
+class _PerHeadProjection(torch.nn.Module):
+    """nanoGPT's q, k, v (views of one [B, T, C] tensor, transposed), soft-capped (our kernel), and the output
+    projected per head by a matmul that expands, then views, the attention's output."""
+
+    def __init__(self, heads=2, d=16, e=8):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(heads, d, e))
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (x.view(b, t, self.heads, c // self.heads).transpose(1, 2) for _ in range(3))
+        s = 5.0 * torch.tanh((q @ k.transpose(-1, -2)) * 0.25 / 5.0)
+        return torch.matmul(torch.softmax(s, -1) @ v, self.w).sum(1)
+
+
+def test_attention_output_read_through_an_expand_and_a_view(device):
+    """The claimed op's output is what the replaced P @ V was (contiguous), so a view after an expand of it still
+    views; found by review, where an output in q's layout made AOT Autograd fail and the call raise."""
+    torch.manual_seed(27)
+    model = _PerHeadProjection().to(device)
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 24, 32, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    fused = fuser.fuse(model)
+    w = torch.randn(2, 24, 8, device=device)
+    (fused(x) * w).sum().backward()
+    (twin(x2) * w).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, **tol(torch.float32, 3))
+    torch.testing.assert_close(model.w.grad, twin.w.grad, **tol(torch.float32, 3))
+    assert any(n.startswith("attention claimed before autograd (our kernel") for n in _claims(fused)), _claims(fused)
+
+
 class _LayersSharingAMask(torch.nn.Module):
     """Two attention layers reading one padding mask (an input: data, new every call), as a model's layers do."""
 
