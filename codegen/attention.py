@@ -527,8 +527,9 @@ def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m:
         lists, launches = made[2], []
     else:
         lists, launches = list_launches(mask, kind, B, Hq, M, N, block_m, block_n, by_keys)
-        if key is not None:
-            lists_cache[key] = (weakref.ref(mask), mask.untyped_storage(), lists)
+        if key is not None:  # dropped with the mask: an entry only its own tensor can hit pins no memory after it
+            lists_cache[key] = (weakref.ref(mask, lambda _, key=key: lists_cache.pop(key, None)), mask.untyped_storage(),
+                                lists)
     for blocks in lists:
         args += [blocks, *blocks.stride()[:4]]
     return args, launches

@@ -252,7 +252,11 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     if fix_rows and checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
         fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
     if sources:
-        out = build(causal_or_masked(structured, listed), q, k, v, c, fixups[checked] if fix_rows else None, *sources, scale=scale)
+        d = shape(q)[-1]
+        ours = meta(q).dtype in (torch.float16, torch.bfloat16, torch.float32) and d.is_Integer and int(d) <= 256
+        # ours: what our kernels take (as fuser.pregrad checks for training); else SDPA with the mask
+        out = build(causal_or_masked(structured if ours else None, listed if ours else None), q, k, v, c,
+                    fixups[checked] if fix_rows else None, *sources, scale=scale)
     else:
         out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
         if fix_rows:

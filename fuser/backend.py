@@ -221,6 +221,17 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
         except (RestartAnalysis, SkipFrame):
             raise  # Dynamo's own control flow (e.g. a 0-d float input made a SymFloat): not a failure
         except Exception as e:  # AOT Autograd or a decomposition failed on this graph: Dynamo's graph runs as is
+            if gm is not given:  # the claims' graph failed: Dynamo's own, fused as a graph with nothing claimed
+                why = f"attention, loss and dropout in training left to their ops: AOT Autograd failed on the " \
+                      f"graph that claimed them: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                log.warning("fuser: %s", why)
+                try:
+                    claimed[:] = [why]
+                    return aot(given, example_inputs)
+                except (RestartAnalysis, SkipFrame):
+                    raise
+                except Exception as again:  # noqa: BLE001 - the graph as given, below
+                    e = again
             report = FusionReport(graph=len(_reports))
             _fall_back(report, "while capturing (AOT Autograd)", e)
             record(report)

@@ -35,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fuser.codegen import sdpa
 from fuser.codegen.attention import LinearBias
 from fuser.codegen.score_mod import plain_scale, score_mod
-from fuser.graph import ComputeGraph, meta, replace_output
+from fuser.graph import ComputeGraph, meta, packet, replace_output
 from fuser.patterns import cross_entropy
 from fuser.patterns.attention import (dropout_site, extra_forms, find, mask_structure, normalize_attention, resolved,
                                      safe_rows)
@@ -289,6 +289,20 @@ def _needing_grad(graph: fx.Graph, example_inputs) -> set:
                                   if isinstance(x, torch.Tensor) and x.requires_grad])
 
 
+_VIEWS = {aten.view, aten._unsafe_view, aten.expand, aten.unsqueeze, aten.squeeze, aten.slice, aten.select,
+          aten.permute, aten.transpose, aten.t, aten.alias}
+
+
+def _viewed_input(n: fx.Node) -> bool:
+    """`n` is an input of the graph, or views of one: memory the graph's program never writes over (it
+    reuses only its own allocations, and writes over no saved tensor that aliases an input), so a data mask's
+    tile lists may be kept for it (runtime.lists_cache).  A mask computed in the graph is not: a buffer the
+    program hands on to a later tensor is written without a version bump."""
+    while packet(n) in _VIEWS:
+        n = n.args[0]
+    return n.op == "placeholder"
+
+
 def _static(graph: fx.Graph, example_inputs) -> set:
     """The placeholders that are parameters and buffers (the same tensors every call), as Dynamo marks them."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -331,12 +345,12 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set,
         call = gm.graph.call_function(flash_attention_op._opoverload,
                                       (a.q, a.k, a.v, extras, 1.0, register_mod(mod), float(a.dropout), seeds, site,
                                        sources if site >= 0 else [],
-                                       bool(mod.data_mask) and a.extras[mod.data_mask[0]].op == "placeholder"))
+                                       bool(mod.data_mask) and _viewed_input(a.extras[mod.data_mask[0]])))
         out = gm.graph.call_function(operator.getitem, (call, 0))
         if meta(a.out).dtype != meta(a.q).dtype:
             out = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (out, meta(a.out).dtype))
-    out.meta["val"] = meta(a.out)  # for the claims after this one (AOT's trace gives the op's own, in q's layout)
-    replace_output(a.out, out)  # the op's output is in q's layout (SDPA's rule), not the bmm's
+    out.meta["val"] = meta(a.out)  # for the claims after this one (the op's output is contiguous, as P @ V was)
+    replace_output(a.out, out)
     for n in reversed(a.nodes):
         if not n.users:
             gm.graph.erase_node(n)

@@ -555,3 +555,38 @@ def test_attention_in_float64_training_stays_with_its_ops(device):
         torch.testing.assert_close(g, r)
     notes = [n for r in fuser.reports()[before:] for n in r.notes if n.startswith("attention")]
     assert any("left to its ops" in n and "torch.float64" in n for n in notes), notes
+
+
+class _KeepBuffer(torch.nn.Module):
+    def __init__(self, keep):
+        super().__init__()
+        self.register_buffer("keep", keep)
+
+    def forward(self, q, k, v):
+        s = (q @ k.transpose(-1, -2)) * 0.3
+        return torch.softmax(s.masked_fill(self.keep == 0, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("dtype, d, ours", [(torch.float32, 24, True), (torch.float64, 16, False),
+                                            (torch.float32, 320, False)])
+def test_a_buffer_mask_of_no_structure_runs_our_kernel_where_it_can(dtype, d, ours, device):
+    """A mask in a buffer found at run time to be neither causal nor a window runs our kernel over its tile
+    lists where our kernel takes q (16/32-bit floats, head dims up to 256), else SDPA with the mask; found by
+    review, where fp64 raised inside the call and the graph ran eagerly."""
+    import fuser.pipeline as pipeline
+    torch.manual_seed(37)
+    keep = (torch.rand(1, 1, 48, 48, device=device) < 0.6).to(dtype)
+    keep.diagonal(dim1=-2, dim2=-1).fill_(1)
+    model = _KeepBuffer(keep)
+    q, k, v = (torch.randn(2, 2, 48, d, device=device, dtype=dtype) for _ in range(3))
+    listed, real = [], pipeline.run_attention
+    pipeline.run_attention = lambda *a, **kw: listed.append(bool(kw["mod"].data_mask)) or real(*a, **kw)
+    try:
+        fused = fuser.fuse(model)
+        with torch.no_grad():
+            got = fused(q, k, v)
+    finally:
+        pipeline.run_attention = real
+    torch.testing.assert_close(got, model(q, k, v), **TOL.get(dtype, TOL[torch.float32]))
+    assert listed == ([True] if ours else []), listed
+    assert not fused.report.all_fallbacks, fused.report.all_fallbacks

@@ -619,7 +619,8 @@ def test_kept_tile_lists_follow_the_mask_tensor():
     """A data mask's lists kept across calls (fuser::flash_attention with keep_lists, runtime.lists_cache) are
     used again only for the same mask tensor, unwritten: a write in place (its version), another tensor over the
     same memory, or the tensor pointed at other memory (`.data =`) gets new lists; the entry holds the mask's
-    storage, so no other tensor takes its address while it is kept.  Outputs match fp64 eager throughout."""
+    storage, so no other tensor takes its address while it is kept, and goes when the tensor does.  Outputs match
+    fp64 eager throughout."""
     import gc
 
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -653,6 +654,9 @@ def test_kept_tile_lists_follow_the_mask_tensor():
         assert run(mask) == 4
         gc.collect()
         assert not old.expired()  # kept while its lists are: its address is no new tensor's
+        del mask
+        gc.collect()
+        assert old.expired()  # the entries go with the tensor: no memory pinned after it
     finally:
         codegen_attention.list_launches = real
 

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.fx as fx
 
 import fuser
 from fuser.backend import GraphRunner, ReleasingRunner
@@ -300,17 +301,46 @@ def test_attention_output_read_through_an_expand_and_a_view(device):
     assert any(n.startswith("attention claimed before autograd (our kernel") for n in _claims(fused)), _claims(fused)
 
 
+def test_a_claimed_graph_aot_cannot_trace_falls_back_to_the_graph_as_given(device, monkeypatch):
+    """Where AOT Autograd fails on the graph the claims made, Dynamo's own graph goes through AOT instead (fused,
+    nothing claimed, the reason in the notes), not to eager as a whole; gradients are eager's."""
+    import fuser.backend as backend
+
+    def broken(gm, example_inputs, *args):
+        def fails(x):
+            raise RuntimeError("a claim AOT cannot trace")
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        with gm.graph.inserting_before(out):
+            gm.graph.call_function(fails, (next(n for n in gm.graph.nodes if n.op == "placeholder"),))
+        gm.recompile()
+        return gm, ["attention claimed before autograd (pretend)"]
+    monkeypatch.setattr(backend, "claim", lambda gm, *a: broken(fx.GraphModule(gm, copy.deepcopy(gm.graph)), *a))
+    torch.manual_seed(28)
+    model = _BufferMasked(48, True, 1, device)
+    q, k, v = (torch.randn(2, 3, 37, 16, device=device, requires_grad=True) for _ in range(3))
+    fused = fuser.fuse(model)
+    got = torch.autograd.grad(fused(q, k, v).sum(), (q, k, v))
+    want = torch.autograd.grad(model(q, k, v).sum(), (q, k, v))
+    torch.testing.assert_close(got, want, **tol(torch.float32, 3))
+    notes = [n for r in fused.reports for n in r.notes]
+    assert any("AOT Autograd failed on the graph that claimed them" in n for n in notes), notes
+    assert any(r.regions for r in fused.reports) and not any(r.all_fallbacks for r in fused.reports), notes
+
+
 class _LayersSharingAMask(torch.nn.Module):
     """Two attention layers reading one padding mask (an input: data, new every call), as a model's layers do."""
 
     def forward(self, q, k, v, pad):
+        if pad.dim() == 2:  # [B, N]: viewed as [B, 1, 1, N] in the graph, as HF's models do
+            pad = pad[:, None, None, :]
         for _ in range(2):
             s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + pad
             q = torch.softmax(s, -1) @ v
         return q
 
 
-def test_layers_sharing_a_data_mask_make_its_tile_lists_once(device, monkeypatch):
+@pytest.mark.parametrize("viewed", [False, True])
+def test_layers_sharing_a_data_mask_make_its_tile_lists_once(viewed, device, monkeypatch):
     """The tile lists of a data mask are made once for the forwards of the layers sharing it and once for their
     backwards (fuser/attention_op.py's cache, keyed by the mask's address, layout and version); a mask written in
     place between calls gets new lists.  Gradients match eager."""
@@ -328,7 +358,7 @@ def test_layers_sharing_a_data_mask_make_its_tile_lists_once(device, monkeypatch
         q, k, v = (torch.randn(2, 2, 40, 16, device=device, requires_grad=True) for _ in range(3))
         twin = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         w = torch.randn(2, 2, 40, 16, device=device)
-        got = torch.autograd.grad((fused(q, k, v, pad) * w).sum(), (q, k, v))
+        got = torch.autograd.grad((fused(q, k, v, pad[:, 0, 0] if viewed else pad) * w).sum(), (q, k, v))
         want = torch.autograd.grad((_LayersSharingAMask()(*twin, pad) * w).sum(), twin)
         torch.testing.assert_close(got, want, **tol(torch.float32, 3))  # 3: two attentions deep
     assert made == [False, True] * 2, made  # per step: the forwards' lists, the backwards' (by query and by key)
