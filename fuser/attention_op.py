@@ -250,7 +250,7 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     taken = _taken(out)
     if taken is not None and taken[0] == "sdpa":
         _, s, backend = taken
-        lse = (lse[0] + lse[1]).contiguous()
+        lse = lse[0]  # SDPA's log-sum-exp (its forward wrote log l = 0 beside it)
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         if backend == _FLASH:
             nothing = torch.empty(0, dtype=torch.uint64, device=q.device)  # the philox state: dropout only
