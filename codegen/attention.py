@@ -16,7 +16,7 @@ from fuser.dtypes import interpreting, math_import
 from fuser.ops import dropout_expr, helpers_for
 from fuser.plan import attention_plan, cdiv, next_pow2
 
-__all__ = ["IndexMask", "LinearBias", "ScoreMod", "attention_source", "prepare", "structure_of"]
+__all__ = ["IndexMask", "LinearBias", "ScoreMod", "attention_source", "mask_structure", "prepare", "structure_of"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,25 @@ def structure_of(masked: torch.Tensor, m: int, n: int) -> tuple[int, int | None]
         if window < n and torch.equal(masked, causal | (off - d >= window)):
             return off, window
     return None
+
+
+def mask_structure(extra: torch.Tensor, kind: str, m: int, n: int) -> tuple[int, int | None] | None:
+    """`structure_of` a data mask (of ScoreMod.data_mask's `kind`: "add", masked at <= DEAD_FILL and kept at
+    0; "keep"/"drop", boolean), broadcastable to [B, H, m, n] and the same in every batch and head; None
+    otherwise (a bias, a padding mask broadcast along the queries or keys).  Syncs with the host."""
+    if extra.dim() < 2 or tuple(extra.shape[-2:]) != (m, n) or not m or not n:
+        return None
+    planes = extra.reshape(-1, m, n)
+    plane = planes[0]
+    if planes.shape[0] > 1 and not bool((planes == plane).all()):
+        return None
+    if kind == "add":
+        masked = plane.float() <= DEAD_FILL
+        if not bool((masked | (plane == 0)).all()):
+            return None
+    else:
+        masked = plane if kind == "drop" else ~plane
+    return structure_of(masked, m, n)
 
 
 def _float(x: float) -> str:

@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fuser.graph import constant_value, fake_mode_of, insert, meta, operands, packet, real_tensors, replace_output, shape
 from fuser.indexing import Sizes
-from .attention import structure_of
+from .attention import mask_structure
 
 aten = torch.ops.aten
 ABSORBING = 1e30  # |fill| at which fp32 a*s + fill == fill for any score below 1e22
@@ -401,7 +401,28 @@ def mask_sources(mask: fx.Node) -> list:
     return sorted(found, key=lambda n: n.name)
 
 
-RECHECKS = 3  # inputs that are new tensors every call: checked this many times, then the mask is used as given
+RECHECKS = 3  # inputs that are new tensors every call: checked again this many times, then the mask is used as given
+
+
+class RunTimeCheck:
+    """A call site's answer about values the compiled graph cannot see (a mask made from parameters and
+    buffers: causal? a window?), kept with its inputs' weak refs and versions and worked out again only
+    when an input is another tensor or was written in place, at most RECHECKS times after the first; then
+    None (the mask is applied as given)."""
+
+    def __init__(self):
+        self.stamp, self.answer, self.checks = None, None, 0
+
+    def __call__(self, sources, compute):
+        if self.stamp is not None and len(self.stamp) == len(sources) and all(
+                r() is x and version == x._version for (r, version), x in zip(self.stamp, sources)):
+            return self.answer
+        if self.checks > RECHECKS:
+            return None
+        self.stamp = [(weakref.ref(x), x._version) for x in sources]
+        self.answer = compute()
+        self.checks += 1
+        return self.answer
 
 
 def causal_or_masked(structured=None, listed=None):
@@ -417,18 +438,14 @@ def causal_or_masked(structured=None, listed=None):
     ones it masks whole skipped: 0.65 against SDPA's 1.8 ms forward with a padded causal mask at S4096,
     whose memory-efficient kernel reads the whole mask), else by SDPA; `nan_rows` (rows of -inf) give NaN
     as eager's do."""
-    seen = []  # [weak refs and versions of the mask's inputs, (offset, window) or None, rechecks], once decided
+    check = RunTimeCheck()
 
     def causal_or_masked(q, k, v, mask, nan_rows, *sources, scale: float):
         gqa = q.shape[1] != k.shape[1]
         if not isinstance(q, FakeTensor):
-            same = bool(seen) and all(r() is x and ver == x._version for (r, ver), x in zip(seen[0], sources))
-            if not same and (not seen or seen[2] < RECHECKS):
-                stamp = [(weakref.ref(x), x._version) for x in sources]
-                seen[:] = [stamp, _structure(mask, q.shape[2], k.shape[2]), seen[2] + 1 if seen else 0]
-                same = True
-            if same and seen[1] is not None:
-                window = seen[1][1]
+            found = check(sources, lambda: _structure(mask, q.shape[2], k.shape[2]))
+            if found is not None:
+                window = found[1]
                 if window is None:
                     return aten.scaled_dot_product_attention.default(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
                 if structured is not None:
@@ -445,16 +462,9 @@ def causal_or_masked(structured=None, listed=None):
 
 
 def _structure(mask: torch.Tensor, m: int, n: int) -> tuple[int, int | None] | None:
-    """(0, window or None) where the additive mask is the same for every batch and head, 0 or <= -1e30,
-    and masks exactly the keys past the diagonal (and, with a window, those `window` or more behind)."""
-    if tuple(mask.shape[-2:]) != (m, n):
-        return None
-    full = mask.reshape(-1, m, n)
-    plane = full[0]
-    masked = plane <= -ABSORBING
-    if not bool((masked | (plane == 0)).all()) or not bool((full == plane).all()):
-        return None
-    found = structure_of(masked, m, n)
+    """(0, window or None) where the additive mask (clamped: masked at <= -ABSORBING) is the same for every batch
+    and head and masks exactly the keys past the diagonal (and, with a window, those `window` or more behind)."""
+    found = mask_structure(mask, "add", m, n)
     return found if found is not None and found[0] == 0 else None
 
 

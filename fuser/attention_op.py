@@ -6,8 +6,8 @@ The forward is our kernel (codegen/attention.py) and its gradient our backward k
 `ScoreMod.data_mask`) is unknown at compile time, and the kernels walk lists of the tiles it keeps, built
 per call.  But the commonest data mask is nanoGPT's causal `bias` buffer, or Mistral's window, whose
 values never change: a call site whose mask is computed from parameters and buffers alone (`sources`)
-checks the mask once (and again only when a source is another tensor or was written in place, at most
-RECHECKS times, as inference's codegen/sdpa.causal_or_masked does) and where it is exactly causal or a
+checks the mask once (and again only when a source is another tensor or was written in place:
+codegen/sdpa.RunTimeCheck, as inference's causal_or_masked) and where it is exactly causal or a
 window over the positions:
   - SDPA's kernel (flash or cuDNN, as SDPA itself would pick), forward and backward, where the chain is
     that mask and a constant scale alone (`sdpa_scale`), the mask causal from the top-left, no dropout, CUDA;
@@ -27,13 +27,13 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend
 
-from fuser.codegen.attention import DEAD_FILL, IndexMask, ScoreMod, attention_source, prepare, structure_of
+from fuser.codegen.attention import IndexMask, ScoreMod, attention_source, mask_structure, prepare
+from fuser.codegen.sdpa import RunTimeCheck
 from fuser.codegen.attention_bwd import attention_bwd_source, prepare_bwd
 
 from .dropout import check as check_dropout
@@ -56,16 +56,12 @@ def register_mod(mod: ScoreMod) -> str:
 @dataclasses.dataclass
 class Site:
     """One call site's run-time facts: the scale SDPA would use (None: the chain is more than a mask and a
-    scale), the sources' stamp (weak refs and versions) its mask was last checked at, what was found
-    ((offset, window, fill) or None), and how many checks were made."""
+    scale), and its data mask's structure as last checked."""
     sdpa_scale: float | None
-    stamp: list | None = None
-    structure: tuple | None = None
-    checks: int = 0
+    check: RunTimeCheck = dataclasses.field(default_factory=RunTimeCheck)
 
 
 _SITES: list[Site] = []
-RECHECKS = 3  # sources that are new tensors every call: checked this many times, then the lists are used
 # forward output's data_ptr -> (its storage, weakly; ("sdpa", scale, backend) | ("structured", mod) | None); an
 # entry dropped early costs its backward the lists path, never a wrong answer
 _TAKEN = Recent(4096)
@@ -95,62 +91,29 @@ def _check_dropout(q: torch.Tensor, dropout: float, seeds: list[torch.Tensor]) -
 
 
 # ------------------------------------------------------------------------------ the run-time check
-def mask_structure(extra: torch.Tensor, kind: str, m: int, n: int) -> tuple[int, int | None, float | None] | None:
-    """(offset, window, fill) where the data mask `extra` (of ScoreMod.data_mask's `kind`, broadcastable to
-    [B, H, m, n]) masks, in every batch and head alike, exactly the keys k > q + offset (and with a window those
-    with q + offset - k >= window), with one fill value where additive (else fill None); None otherwise, and
-    where a row keeps no key.  Syncs with the host."""
-    if extra.dim() < 2 or tuple(extra.shape[-2:]) != (m, n) or not m or not n:
-        return None  # broadcast along the queries or keys (a padding mask): no such structure
-    planes = extra.reshape(-1, m, n)
-    plane = planes[0]
-    if planes.shape[0] > 1 and not bool((planes == plane).all()):
-        return None
-    fill = None
-    if kind == "add":
-        masked = plane.float() <= DEAD_FILL
-        if not bool((masked | (plane == 0)).all()):
-            return None  # a bias, not only a mask
-        values = plane[masked]
-        if values.numel():
-            fill = float(values[0])
-            if not bool((values == values[0]).all()):
-                return None
-    else:
-        masked = plane if kind == "drop" else ~plane
-    found = structure_of(masked, m, n)
-    return None if found is None else (*found, fill)
-
-
 def _checked(site: int, sources: list[torch.Tensor], extras, mod: ScoreMod, m: int, n: int):
-    """The structure of the site's data mask this call, from its memo where the sources are those checked; None
-    under CUDA-graph capture (a replay would keep the path of the capture whatever the buffers hold later)."""
+    """The structure of the site's data mask this call (codegen.sdpa.RunTimeCheck); None under CUDA-graph capture
+    (a replay would keep the path of the capture whatever the buffers hold later)."""
     if site < 0 or not mod.data_mask or (extras[0].is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    s = _SITES[site]
-    if s.stamp is not None and len(s.stamp) == len(sources) and all(
-            r() is x and version == x._version for (r, version), x in zip(s.stamp, sources)):
-        return s.structure
-    if s.checks >= RECHECKS:
-        return None
     i, kind, _ = mod.data_mask
-    s.stamp = [(weakref.ref(x), x._version) for x in sources]
-    s.structure = mask_structure(extras[i], kind, m, n)
-    s.checks += 1
-    log.info("fuser: attention site %d: its data mask at run time: %s", site,
-             "no structure (the tile lists)" if s.structure is None else
-             f"causal from offset {s.structure[0]}" + (f", window {s.structure[1]}" if s.structure[1] else ""))
-    return s.structure
+
+    def check():
+        found = mask_structure(extras[i], kind, m, n)
+        log.info("fuser: attention site %d: its data mask at run time: %s", site, "no structure (the tile lists)"
+                 if found is None else f"causal from offset {found[0]}" + (f", window {found[1]}" if found[1] else ""))
+        return found
+    return _SITES[site].check(sources, check)
 
 
 def _structured(mod: ScoreMod, structure: tuple) -> ScoreMod:
     """The mod with its data mask computed from the positions, as the structure found says."""
     i, kind, dtype = mod.data_mask
-    offset, window, fill = structure
+    offset, window = structure
     forms = list(mod.forms) + [None] * (mod.n_extra - len(mod.forms))
-    if kind == "add" and fill is None:
-        fill = float("-inf")  # the structure masks nothing here (one query row at the last key): any fill is right
-    forms[i] = IndexMask(offset, window, dtype, masks=kind != "keep", fill=fill if kind == "add" else None)
+    # an additive mask's fill: -inf, whatever the mask's own (all <= DEAD_FILL): the structure leaves every row
+    # a key, so exp(s + fill - max) is 0 for either
+    forms[i] = IndexMask(offset, window, dtype, masks=kind != "keep", fill=float("-inf") if kind == "add" else None)
     return dataclasses.replace(mod, causal=True, causal_offset=offset, window=window, forms=tuple(forms), data_mask=None)
 
 

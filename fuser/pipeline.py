@@ -218,9 +218,7 @@ def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, s
 def _windowed(q, k, v, window: int, scale: float):
     """Causal attention over the last `window` keys of each query, its tiles outside the window
     skipped: what a sliding-window mask in a buffer runs once found at run time (sdpa.causal_or_masked)."""
-    mod = attention_codegen.ScoreMod((), causal=True, window=window)
-    source = _attention_source(mod, q.shape[-1], q.dtype, q.device.type)
-    return run_attention(source, attention_codegen.prepare, q, k, v, (), mod=mod, scale=scale)[0]
+    return _ours(q, k, v, (), attention_codegen.ScoreMod((), causal=True, window=window), scale)
 
 
 def _listed(q, k, v, mask, scale: float):
@@ -229,8 +227,12 @@ def _listed(q, k, v, mask, scale: float):
     (sdpa.causal_or_masked).  Its lists are made per call (the mask is the graph's, its buffer may be
     written over by the program without a version bump)."""
     mod = attention_codegen.ScoreMod(("s = s + extra0.to(tl.float32)",), n_extra=1, data_mask=(0, "add", mask.dtype))
+    return _ours(q, k, v, (mask,), mod, scale)
+
+
+def _ours(q, k, v, extras, mod, scale: float):
     source = _attention_source(mod, q.shape[-1], q.dtype, q.device.type)
-    return run_attention(source, attention_codegen.prepare, q, k, v, (mask,), mod=mod, scale=scale)[0]
+    return run_attention(source, attention_codegen.prepare, q, k, v, extras, mod=mod, scale=scale)[0]
 
 
 @functools.lru_cache(maxsize=64)

@@ -35,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fuser.codegen import sdpa
 from fuser.codegen.attention import LinearBias
 from fuser.codegen.score_mod import plain_scale, score_mod
-from fuser.graph import ComputeGraph, meta, packet, replace_output
+from fuser.graph import ComputeGraph, meta, replace_output
 from fuser.patterns import cross_entropy
 from fuser.patterns.attention import (dropout_site, extra_forms, find, mask_structure, normalize_attention, resolved,
                                      safe_rows)
@@ -289,17 +289,13 @@ def _needing_grad(graph: fx.Graph, example_inputs) -> set:
                                   if isinstance(x, torch.Tensor) and x.requires_grad])
 
 
-_VIEWS = {aten.view, aten._unsafe_view, aten.expand, aten.unsqueeze, aten.squeeze, aten.slice, aten.select,
-          aten.permute, aten.transpose, aten.t, aten.alias}
-
-
 def _viewed_input(n: fx.Node) -> bool:
     """`n` is an input of the graph, or views of one: memory the graph's program never writes over (it
     reuses only its own allocations, and writes over no saved tensor that aliases an input), so a data mask's
     tile lists may be kept for it (runtime.lists_cache).  A mask computed in the graph is not: a buffer the
     program hands on to a later tensor is written without a version bump."""
-    while packet(n) in _VIEWS:
-        n = n.args[0]
+    while n.op == "call_function" and getattr(n.target, "is_view", False) and n.target is not aten.reshape.default:
+        n = n.args[0]  # its schema says it aliases (reshape's may copy)
     return n.op == "placeholder"
 
 
