@@ -26,7 +26,9 @@ the others: mean(output^2) in fp32), backward and an AdamW step (outside the com
 for every system), dropout off, each system on its own copy of the same weights; err compares the first
 step's loss with eager+sdpa's; peak MiB is over the memory held before the step (weights, gradients,
 AdamW state).  llama-128k is llama-gqa with a 128256-token vocabulary at B4 T2048 (8192 tokens: its
-logits are 2.1 GB in bf16), for the fused linear + cross-entropy.  Models: all but llama-decode.  Systems: eager, eager+sdpa, inductor, fuser, fuser-eager-attn.
+logits are 2.1 GB in bf16), for the fused linear + cross-entropy; llama-128k-whole is the same with the
+model itself compiled (a user's `torch.compile(model)`: its output holds the logits too, so they are made).
+Models: all but llama-decode (inference: all but llama-128k-whole).  Systems: eager, eager+sdpa, inductor, fuser, fuser-eager-attn.
 
 Writes <gpu>-<date>-models.{json,md} after every cell, so a run cut short keeps what it measured.
 """
@@ -63,8 +65,10 @@ NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
               "vit": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
               "t5-encoder": dict(dropout_rate=0.0), "llama-gqa": dict(attention_dropout=0.0),
               "gemma2-softcap": dict(attention_dropout=0.0)}
-MODELS = ["gpt2", "llama-gqa", "bert-padded", "vit", "t5-encoder", "llama-decode", "gemma2-softcap", "llama-128k"]
-LMS = ("gpt2", "llama-gqa", "gemma2-softcap", "llama-128k")  # in training: the model's own loss on labels = input_ids
+MODELS = ["gpt2", "llama-gqa", "bert-padded", "vit", "t5-encoder", "llama-decode", "gemma2-softcap", "llama-128k",
+          "llama-128k-whole"]
+LMS = ("gpt2", "llama-gqa", "gemma2-softcap", "llama-128k", "llama-128k-whole")  # in training: the model's own loss on labels = input_ids
+WHOLE = ("llama-128k-whole",)  # training only: the model itself compiled, returning loss and logits
 
 
 # ---------------------------------------------------------------- models
@@ -90,8 +94,8 @@ def _config(name, d):
         return tf.GPT2LMHeadModel, tf.GPT2Config, dict(
             n_layer=d["layers"], n_embd=d["hidden"], n_head=d["heads"], vocab_size=v, n_positions=1024,
             bos_token_id=v - 1, eos_token_id=v - 1, use_cache=False)
-    if name in ("llama-gqa", "llama-decode", "llama-128k"):
-        vocab = g("big_vocab", "vocab") if name == "llama-128k" else g("llama_vocab", "vocab")
+    if name in ("llama-gqa", "llama-decode", "llama-128k", "llama-128k-whole"):
+        vocab = g("big_vocab", "vocab") if name.startswith("llama-128k") else g("llama_vocab", "vocab")
         return tf.LlamaForCausalLM, tf.LlamaConfig, dict(
             hidden_size=g("llama_hidden", "hidden"), num_attention_heads=g("llama_heads", "heads"),
             num_key_value_heads=d["kv_heads"], intermediate_size=g("llama_ffn", "ffn"),
@@ -145,8 +149,8 @@ def _inputs(name, d, model, device):
     """Keyword arguments of one forward call, and the name of the output compared."""
     torch.manual_seed(0)
     vocab = getattr(model.config, "vocab_size", None)
-    if name in ("gpt2", "llama-gqa", "gemma2-softcap", "llama-128k"):
-        t = d.get("big_seq", d["seq"]) if name == "llama-128k" else d["seq"]
+    if name in ("gpt2", "llama-gqa", "gemma2-softcap", "llama-128k", "llama-128k-whole"):
+        t = d.get("big_seq", d["seq"]) if name.startswith("llama-128k") else d["seq"]
         return {"input_ids": torch.randint(0, vocab, (d["batch"], t), device=device), "use_cache": False}, "logits"
     if name == "bert-padded":
         b, t = d.get("bert_batch", d["batch"]), d.get("bert_seq", d["seq"])
@@ -260,7 +264,8 @@ def _prepare_train(name, d, device, systems):
     def maker(system):
         attn = "eager" if system in ("eager", "fuser-eager-attn") else "sdpa"
         model = _build(name, d, attn, device, weights=base, train=True)
-        compiled = compilers[system](loss_of(model))
+        whole = name in WHOLE  # a user's torch.compile(model): its output holds the loss and the logits
+        compiled = compilers[system](model if whole else loss_of(model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
         graphed = system in ("inductor-ro", "fuser-cg")
@@ -268,7 +273,7 @@ def _prepare_train(name, d, device, systems):
         def step():
             if graphed:  # a new step: the previous step's graph outputs may be overwritten
                 torch.compiler.cudagraph_mark_step_begin()
-            loss = compiled(**kwargs)
+            loss = compiled(**kwargs, labels=kwargs["input_ids"]).loss if whole else compiled(**kwargs)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -470,7 +475,7 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
     start = time.perf_counter()
-    models = args.only.split(",") if args.only else [m for m in MODELS if not (args.train and m == "llama-decode")]
+    models = args.only.split(",") if args.only else [m for m in MODELS if not (m == "llama-decode" if args.train else m in WHOLE)]
     default = TRAIN_SYSTEMS if args.train else SYSTEMS
     args.systems = args.systems.split(",") if args.systems else (
         [s for s in SMOKE_SYSTEMS if s in default] if args.smoke else default)

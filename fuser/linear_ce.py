@@ -10,7 +10,7 @@ their gradient from the saved log-sum-exps (a second kernel), grad_weight[slice]
 grad_bias[slice] its sum.  The gradients are computed in the forward, so the op's backward only
 scales them by the upstream gradient: that needs a scalar loss ("mean" or "sum", not "none").
 
-Memory: one [chunk, V] logits buffer (reused as its gradient; a slice's [N, V / chunks] is no larger),
+Memory: one [chunk, V] logits buffer (reused as its gradient, and by every slice's [N, V / chunks]),
 grad_x as x, grad_weight in the weight's dtype, the rows' losses and log-sum-exps.  Decision (issue 12,
 the 128K-vocabulary model): slices cost one more matmul of the logits' size (4 instead of 3), but no
 grad_weight summed over chunks, which must be fp32 (a 16-bit sum rounds once a chunk, an error growing
@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from fuser.codegen.cross_entropy import KERNEL, SLICE_KERNEL, prepare, prepare_slice, row_source
+from fuser.codegen.cross_entropy import GRAD_KERNEL, KERNEL, prepare, prepare_grad, row_source
 
 from . import dtypes
 from .plan import next_pow2
@@ -109,6 +109,59 @@ def _source(dtype: torch.dtype, device_type: str) -> str:
         return row_source(dtype)
 
 
+def _padded(weight: torch.Tensor, bias: torch.Tensor | None):
+    """(weight, bias) with zero rows added up to a class count of a multiple of 16 bytes: cuBLAS runs a
+    matmul with an odd class count (GPT-2's 50257) on its slowest kernels.  Run 63 (H200, bf16, 2048
+    rows, D 768): 1.67 / 1.15 / 1.14 ms for the logits, grad_x and grad_weight over 50257 classes,
+    0.25 / 0.24 / 0.24 over 50264; padding the rows' stride alone did not help.  Inductor pads such
+    matmuls too (pad_mm).  The added classes' logits are exact zeros, their gradient is written 0, and
+    their rows of grad_weight are dropped."""
+    v = weight.shape[0]
+    per = max(1, 16 // weight.element_size())
+    vp = -(-v // per) * per
+    if vp == v:
+        return weight, bias
+    padded = weight.new_zeros(vp, weight.shape[1])
+    padded[:v] = weight
+    return padded, (None if bias is None else torch.cat([bias, bias.new_zeros(vp - v)]))
+
+
+def _buffer(x: torch.Tensor, n: int, step: int, classes: int) -> tuple[torch.Tensor, int]:
+    """(one flat buffer for every chunk's [step, classes] logits and every slice's [N, width], the slices'
+    width: a multiple of 16 bytes, as `classes` is)."""
+    per = max(1, 16 // x.element_size())
+    width = max(per, step * classes // n // per * per) if step < n else classes
+    return x.new_empty(max(min(step, n) * classes, n * width if step < n else 0)), width
+
+
+def _view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return buf[:rows * cols].view(rows, cols)
+
+
+def _weight_grads(x2, n_classes, t, lse, grad_w, grad_b, buf, width: int, ce: dict, logits_of, upstream=None):
+    """grad_weight (and grad_bias, unless None), [Vp, D] with the padded classes, by slices of the classes,
+    each [N, width] within `buf`: `logits_of(v0, v1, out)` gives the slice's logits (computed into `out`,
+    or a view of logits held elsewhere starting at class v0), their gradient goes to `out` (plus the
+    logits' own upstream gradient, where given), and grad_weight[v0:v1] is one matmul over all N rows,
+    rounded once."""
+    n, vp = x2.shape[0], grad_w.shape[0]
+    source = _source(x2.dtype, x2.device.type)
+    for v0 in range(0, vp, width):
+        v1 = min(v0 + width, vp)
+        out = _view(buf, n, v1 - v0)
+        grid, args, meta = prepare_grad(logits_of(v0, v1, out), out, t, lse, n_classes, v0, **ce,
+                                        upstream=None if upstream is None else upstream[:, v0:])
+        launch(source, GRAD_KERNEL, grid, args, meta, x2.device.type)
+        torch.mm(out.t(), x2, out=grad_w[v0:v1])
+        if grad_b is not None:
+            grad_b[v0:v1].copy_(out.sum(0, dtype=torch.float32))
+
+
+def _linear(x, weight, bias, out: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight, bias) written into `out` (contiguous [rows, classes])."""
+    return torch.addmm(bias, x, weight.t(), out=out) if bias is not None else torch.mm(x, weight.t(), out=out)
+
+
 @torch.library.custom_op("fuser::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                             ignore_index: int, label_smoothing: float, reduction: str,
@@ -125,37 +178,36 @@ def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     source = _source(x.dtype, x.device.type)
     row_loss = x.new_empty(n, dtype=torch.float32)
     lse = x.new_empty(n, dtype=torch.float32)
+    wp, bp = _padded(weight, bias)
+    vp = wp.shape[0]
     grad_x = x.new_empty(n, dim)
-    grad_w = weight.new_empty(weight.shape)
-    grad_b = weight.new_empty(n_classes) if bias is not None else weight.new_empty(0)
+    grad_w = weight.new_empty(vp, dim)
+    grad_b = weight.new_empty(vp if bias is not None else 0)
     step = chunk_rows or rows_per_chunk(n, n_classes, dim)
     ce = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, scale=scale)
+    if n == 0:  # no rows: no gradient, as eager's (and a NaN "mean" below)
+        grad_w.zero_(), grad_b.zero_()
+    # one buffer for every chunk's logits and every slice's: never two at once (run 58 found three
+    # [chunk, V] tensors live at the forward's peak when each matmul allocated its own)
+    buf, width = _buffer(x, n, step, vp)
     for lo in range(0, n, step):
         hi = min(lo + step, n)
         xc = x2[lo:hi]
-        logits = torch.addmm(bias, xc, weight.t()) if bias is not None else torch.mm(xc, weight.t())
-        grid, args, meta = prepare(logits, t[lo:hi], row_loss[lo:hi], lse[lo:hi], **ce)
+        logits = _linear(xc, wp, bp, _view(buf, hi - lo, vp))  # the padded classes' logits: zeros
+        grid, args, meta = prepare(logits[:, :n_classes], t[lo:hi], row_loss[lo:hi], lse[lo:hi], **ce)
         launch(source, KERNEL, grid, args, meta, x.device.type)
-        torch.mm(logits, weight, out=grad_x[lo:hi])  # logits now hold their gradient
+        torch.mm(logits, wp, out=grad_x[lo:hi])  # logits now hold their gradient
         if step >= n:  # one chunk: the whole gradient, written once in the weight's dtype
             torch.mm(logits.t(), xc, out=grad_w)
             if bias is not None:
                 grad_b.copy_(logits.sum(0, dtype=torch.float32))
     if step < n:  # several: by slices of the vocabulary, each [N, width] no larger than a chunk's logits
-        width = max(1, step * n_classes // n)
-        for v0 in range(0, n_classes, width):
-            v1 = min(v0 + width, n_classes)
-            w = weight[v0:v1]
-            logits = torch.addmm(bias[v0:v1], x2, w.t()) if bias is not None else torch.mm(x2, w.t())
-            grid, args, meta = prepare_slice(logits, t, lse, n_classes, v0, **ce)
-            launch(source, SLICE_KERNEL, grid, args, meta, x.device.type)
-            torch.mm(logits.t(), x2, out=grad_w[v0:v1])
-            if bias is not None:
-                grad_b[v0:v1].copy_(logits.sum(0, dtype=torch.float32))
+        _weight_grads(x2, n_classes, t, lse, grad_w, grad_b if bias is not None else None, buf, width, ce,
+                      lambda v0, v1, out: _linear(x2, wp[v0:v1], bp[v0:v1] if bias is not None else None, out))
     loss = row_loss.sum()
     if reduction == "mean":
         loss = loss / n_kept  # 0 / 0 = NaN with every row ignored, as eager gives
-    return loss, grad_x.view(x.shape), grad_w, grad_b
+    return loss, grad_x.view(x.shape), grad_w[:n_classes], grad_b[:n_classes]
 
 
 @linear_cross_entropy_op.register_fake
@@ -181,3 +233,127 @@ def _backward(ctx, grad_loss, *_):
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
 call_directly(linear_cross_entropy_op)
+
+
+# ---------------------------------------------------------------- the model returns the logits too
+# Hugging Face's causal LMs return their logits beside the loss, so a model compiled whole makes them
+# anyway.  Then the forward is eager's matmul (the logits, returned) and one read of them for the rows'
+# losses and log-sum-exps; the backward makes the logits' gradient a buffer at a time from the saved
+# log-sum-exps (plus the logits' own upstream gradient: AOT Autograd hands a zero one where the caller
+# leaves them unused), by row chunks for grad_x and by vocabulary slices for grad_weight, each matmul
+# over whole rows or whole columns, rounded once.  Three matmuls as eager; what is never held is the
+# [N, V] fp32 upcast and the [N, V] gradient.
+
+
+def _scale_of(t: torch.Tensor, n_classes: int, ignore_index: int, reduction: str):
+    n_kept = _kept_rows(t, n_classes, ignore_index)
+    # "mean" divides by the kept rows of the whole batch; with none kept, no row reads the scale
+    scale = n_kept.clamp_min(1).float().reciprocal() if reduction == "mean" else t.new_ones((), dtype=torch.float32)
+    return n_kept, scale
+
+
+@torch.library.custom_op("fuser::linear_cross_entropy_logits", mutates_args=())
+def linear_cross_entropy_logits_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                   target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str,
+                                   chunk_rows: int | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, logits, lse, scale): the loss of `F.cross_entropy(F.linear(x, weight, bias).float(), target,
+    ...)`, the logits ([..., V], x's dtype, as F.linear rounds them), the rows' log-sum-exps and the
+    reduction's factor (0-d fp32), both kept for the backward."""
+    _check(x, weight, bias, target, label_smoothing, reduction, chunk_rows)
+    n_classes, dim = weight.shape
+    x2, t = x.reshape(-1, dim), target.reshape(-1).contiguous()
+    n = x2.shape[0]
+    n_kept, scale = _scale_of(t, n_classes, ignore_index, reduction)
+    wp, bp = _padded(weight, bias)
+    if wp is weight:
+        logits = _linear(x2, weight, bias, x.new_empty(n, n_classes))
+    else:  # the padded matmul and a copy: faster than the matmul over an odd class count (_padded)
+        logits = _linear(x2, wp, bp, x.new_empty(n, wp.shape[0]))[:, :n_classes].contiguous()
+    row_loss, lse = x.new_empty(n, dtype=torch.float32), x.new_empty(n, dtype=torch.float32)
+    grid, args, meta = prepare(logits, t, row_loss, lse, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                               scale=scale, write_grad=False)
+    launch(_source(x.dtype, x.device.type), KERNEL, grid, args, meta, x.device.type)
+    loss = row_loss.sum()
+    if reduction == "mean":
+        loss = loss / n_kept  # 0 / 0 = NaN with every row ignored, as eager gives
+    return loss, logits.view(*x.shape[:-1], n_classes), lse, scale
+
+
+@linear_cross_entropy_logits_op.register_fake
+def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, chunk_rows=None):
+    _check(x, weight, bias, target, label_smoothing, reduction, chunk_rows)
+    return (x.new_empty((), dtype=torch.float32), x.new_empty(*x.shape[:-1], weight.shape[0]),
+            x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32), x.new_empty((), dtype=torch.float32))
+
+
+@torch.library.custom_op("fuser::linear_cross_entropy_logits_backward", mutates_args=())
+def linear_cross_entropy_logits_backward_op(x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
+                                            target: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor,
+                                            scale: torch.Tensor, grad_loss: torch.Tensor,
+                                            grad_logits: torch.Tensor | None, ignore_index: int,
+                                            label_smoothing: float, chunk_rows: int | None = None
+                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight, grad_bias) of linear_cross_entropy_logits for the loss's upstream gradient
+    `grad_loss` (0-d) and the logits' own `grad_logits` (None: none); grad_bias empty without a bias."""
+    n_classes, dim = weight.shape
+    x2, t = x.reshape(-1, dim), target.reshape(-1).contiguous()
+    n = x2.shape[0]
+    z = logits.reshape(n, n_classes)
+    up = None if grad_logits is None else grad_logits.reshape(n, n_classes)
+    if up is not None and up.stride(-1) != 1:
+        up = up.contiguous()
+    ce = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, scale=scale * grad_loss.float())
+    wp, _ = _padded(weight, None)
+    vp = wp.shape[0]
+    grad_x, grad_w = x.new_empty(n, dim), weight.new_empty(vp, dim)
+    grad_b = weight.new_empty(vp if has_bias else 0)
+    if n == 0:  # no rows: no gradient, as eager's
+        return grad_x.view(x.shape), grad_w[:n_classes].zero_(), grad_b[:n_classes].zero_()
+    step = min(chunk_rows or rows_per_chunk(n, n_classes, dim), n)
+    buf, width = _buffer(x, n, step, vp)
+    source = _source(x.dtype, x.device.type)
+    for lo in range(0, n, step):  # grad_x by chunks of rows, each over every class (the padded ones: 0)
+        hi = min(lo + step, n)
+        out = _view(buf, hi - lo, vp)
+        grid, args, meta = prepare_grad(z[lo:hi], out, t[lo:hi], lse[lo:hi], n_classes, 0, **ce,
+                                        upstream=None if up is None else up[lo:hi])
+        launch(source, GRAD_KERNEL, grid, args, meta, x.device.type)
+        torch.mm(out, wp, out=grad_x[lo:hi])
+    if step >= n:  # one chunk: its gradient is whole, the weight's gradient from it
+        torch.mm(out.t(), x2, out=grad_w)
+        if has_bias:
+            grad_b.copy_(out.sum(0, dtype=torch.float32))
+    else:
+        _weight_grads(x2, n_classes, t, lse, grad_w, grad_b if has_bias else None, buf, width, ce,
+                      lambda v0, v1, _: z[:, v0:], up)
+    return grad_x.view(x.shape), grad_w[:n_classes], grad_b[:n_classes]
+
+
+@linear_cross_entropy_logits_backward_op.register_fake
+def _(x, weight, has_bias, target, logits, lse, scale, grad_loss, grad_logits, ignore_index, label_smoothing,
+      chunk_rows=None):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0] if has_bias else 0)
+
+
+def _setup_logits(ctx, inputs, output):
+    x, weight, bias, target, ignore_index, label_smoothing, _, chunk_rows = inputs
+    _, logits, lse, scale = output
+    ctx.mark_non_differentiable(lse, scale)
+    ctx.set_materialize_grads(False)  # an unused loss or logits: no zero tensor made for it
+    ctx.save_for_backward(x, weight, target, logits, lse, scale)
+    ctx.has_bias, ctx.args = bias is not None, (ignore_index, label_smoothing, chunk_rows)
+
+
+def _backward_logits(ctx, grad_loss, grad_logits, *_):
+    x, weight, target, logits, lse, scale = ctx.saved_tensors
+    if grad_loss is None:
+        grad_loss = scale.new_zeros(())
+    gx, gw, gb = linear_cross_entropy_logits_backward_op(x, weight, ctx.has_bias, target, logits, lse, scale,
+                                                         grad_loss, grad_logits, *ctx.args)
+    return gx, gw, gb if ctx.has_bias else None, None, None, None, None, None
+
+
+linear_cross_entropy_logits_op.register_autograd(_backward_logits, setup_context=_setup_logits)
+call_directly(linear_cross_entropy_logits_op)
+call_directly(linear_cross_entropy_logits_backward_op)

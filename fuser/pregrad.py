@@ -43,7 +43,7 @@ from fuser.patterns.attention import (dropout_site, extra_forms, find, mask_stru
 from .attention_op import flash_attention_op, register_mod, register_site
 from .dropout import dropout_op
 from .dtypes import target
-from .linear_ce import linear_cross_entropy_op
+from .linear_ce import linear_cross_entropy_logits_op, linear_cross_entropy_op
 
 aten = torch.ops.aten
 
@@ -202,30 +202,56 @@ def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:
 
 
 def _claim_losses(traced: fx.GraphModule) -> list[str]:
-    """Each linear layer feeding only a cross-entropy rewritten as one `fuser::linear_cross_entropy`
-    call (the logits never held whole); notes."""
+    """Each linear layer feeding a cross-entropy rewritten as one op: `fuser::linear_cross_entropy` (the
+    logits never held whole) where nothing else reads them, else `fuser::linear_cross_entropy_logits`
+    (which returns them: a model compiled whole returns its logits); notes."""
     notes = []
     for m in cross_entropy.find(traced.graph):
         if isinstance(m, str):
             notes.append(f"linear + cross-entropy left to its ops: {m}")
             continue
         graph = traced.graph
+        op = linear_cross_entropy_logits_op if m.returns_logits else linear_cross_entropy_op
         with graph.inserting_before(m.loss):
             w_t = m.weight_t
             weight = w_t.args[0] if w_t.target is aten.t.default else graph.call_function(aten.t.default, (w_t,))
-            call = graph.call_function(linear_cross_entropy_op._opoverload,
-                                       (m.x, weight, m.bias, m.target, m.ignore_index, 0.0, m.reduction))
+            call = graph.call_function(op._opoverload, (m.x, weight, m.bias, m.target, m.ignore_index, 0.0, m.reduction))
             loss = graph.call_function(operator.getitem, (call, 0))
             if meta(m.loss).dtype != torch.float32:
                 loss = graph.call_function(torch.ops.prims.convert_element_type.default, (loss, meta(m.loss).dtype))
+            logits = graph.call_function(operator.getitem, (call, 1)) if m.returns_logits else None
         m.loss.replace_all_uses_with(loss)
+        if logits is not None:
+            logits.meta.update(m.nodes[0].meta)
+            m.nodes[0].replace_all_uses_with(logits)
         for n in reversed(m.nodes):
             if not n.users:
                 graph.erase_node(n)
+        if logits is not None:
+            _after(logits, graph)
         v, d = meta(m.weight_t).shape[1], meta(m.x).shape[1]
+        how = ("the logits returned (the model's output), neither their fp32 upcast nor their gradient held"
+               if m.returns_logits else "chunked, the logits never held whole")
         notes.append(f"linear + cross-entropy claimed before autograd ([{meta(m.x).shape[0]}, {d}] x [{d}, {v}], "
-                     f"reduction {m.reduction}): chunked, the logits never held whole")
+                     f"reduction {m.reduction}): {how}")
     return notes
+
+
+def _after(node: fx.Node, graph: fx.Graph) -> None:
+    """Move the readers of `node` that come before it (the matmul it replaces was earlier: its other
+    readers, such as the model's output view, stayed there) to just after it, in order, with everything
+    of theirs that also came before it.  Nothing left behind reads what moves: it would read `node` too."""
+    reads, early = {node}, []
+    for n in graph.nodes:
+        if n is node:
+            break
+        if any(a in reads for a in n.all_input_nodes):
+            reads.add(n)
+            early.append(n)
+    cursor = node
+    for n in early:
+        cursor.append(n)
+        cursor = n
 
 
 # Philox offsets of the dropout sites of one graph: site k draws from counter k * 2^40 on, so sites

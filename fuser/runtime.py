@@ -45,6 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch._inductor.cudagraph_utils import check_multiple_devices_or_any_cpu_nodes, get_placeholder_info
 from torch._inductor.utils import count_tangents, get_first_incompatible_cudagraph_node, num_fw_fixed_arguments
 from triton import knobs
+import triton.runtime.interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -78,6 +79,24 @@ def _call_interpreted(jit_fn, *args, **kwargs):
     if fn is None:
         fn = _as_interpreted[id(jit_fn)] = InterpretedFunction(jit_fn.fn)
     return fn(*args, **kwargs)
+
+
+def _squeeze_int_arguments() -> None:
+    """Triton 3.6's interpreter (the GPU image's) holds an int argument as a 1-element array and reads it
+    as an index with int(array), which numpy 2.4 refuses for an array of one dimension (a loop
+    `range(0, V, BLOCK)` over an argument V raised); Triton 3.9 squeezes the array first, and so do we."""
+    patch = _interp._patch_lang_tensor
+    if getattr(patch, "fuser_squeezes", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    patched.fuser_squeezes = True
+    _interp._patch_lang_tensor = patched
+
+
+_squeeze_int_arguments()
 
 
 @contextlib.contextmanager

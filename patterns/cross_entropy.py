@@ -5,8 +5,9 @@ Shape as make_fx leaves `F.cross_entropy(lm_head(h).float().view(-1, V), labels)
 `nll_loss_forward(_log_softmax(view(_to_copy(_unsafe_view(mm(view(h), t(W)))))), target)`, with
 `addmm(b, ...)` for a biased head.  Where nothing else reads the logits, the pair becomes one chunked
 op (fuser/linear_ce.py) that never holds the [tokens x vocabulary] logits.  Where something else
-does (a model that returns its logits, as Hugging Face's do), the logits exist anyway and the match
-is refused with that reason.
+does (a model compiled whole returns its logits, as Hugging Face's do), the logits exist anyway: the
+match says so (`returns_logits`) and the op taking its place returns them, holding neither their fp32
+upcast nor their [tokens x vocabulary] gradient.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class LinearCrossEntropy:
     reduction: str                 # "mean" | "sum"
     loss: fx.Node                  # the node whose value is the loss (nll_loss_forward's output 0)
     nodes: list                    # every node the op replaces, matmul first
+    returns_logits: bool           # something else reads the logits too: the op must return them
 
     kind = "linear_cross_entropy"
 
@@ -59,8 +61,7 @@ def match(nll: fx.Node) -> LinearCrossEntropy | str | None:
     if not (isinstance(cur, fx.Node) and cur.target in (aten.mm.default, aten.addmm.default)):
         return None
     mm = cur
-    if len(mm.users) != 1 or any(len(n.users) != 1 for n in walked[1:]):
-        return "the logits are read elsewhere too (e.g. returned by the model), so they are made anyway"
+    returns_logits = len(mm.users) != 1 or any(len(n.users) != 1 for n in walked[1:])
     if weight is not None:
         return "cross-entropy with class weights"
     if reduction not in _REDUCTIONS:
@@ -84,7 +85,7 @@ def match(nll: fx.Node) -> LinearCrossEntropy | str | None:
     if loss is None or any(u is not loss for u in nll.users):
         return "the loss's total weight is read too"
     return LinearCrossEntropy(x, w_t, bias, target, int(ignore_index), _REDUCTIONS[reduction], loss,
-                              [mm, *reversed(walked), nll, loss])
+                              [mm, *reversed(walked), nll, loss], returns_logits)
 
 
 def find(graph: fx.Graph) -> list[LinearCrossEntropy | str]:

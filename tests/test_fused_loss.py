@@ -1,6 +1,6 @@
 """A linear layer feeding only a cross-entropy, found in a model's graph and claimed before autograd as
 one chunked op (fuser/linear_ce.py): the loss and every gradient match eager, the logits are never
-held whole, and where the logits are needed elsewhere the pair is left to its ops with the reason.
+held whole, and where the logits are needed elsewhere (returned) the op returns them.
 The op itself (chunks, ignore_index, smoothing, dtypes) is tested in test_linear_ce.py."""
 import copy
 
@@ -98,17 +98,25 @@ def test_a_new_sequence_length_reuses_the_claim(device):
     assert sum(n.startswith(CLAIMED) for n in _notes(fused)) >= 1
 
 
-def test_logits_returned_too_are_left_to_their_ops_with_the_reason(device):
-    model = TinyLM(returns_logits=True).to(device)
+@pytest.mark.parametrize("use_logits", [False, True], ids=["logits-unused", "logits-in-the-loss-too"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_logits_returned_too_are_claimed_by_the_op_that_returns_them(use_logits, bias, device):
+    """A model that returns its logits beside the loss (as a causal LM compiled whole does): the op returns
+    them; gradients match eager's, the logits' own gradient included where the caller uses them."""
+    model = TinyLM(returns_logits=True, bias=bias).to(device)
     twin = copy.deepcopy(model)
     ids, labels = _batch(211, device)
     fused = fuser.fuse(model)
     (loss, logits), (want, want_logits) = fused(ids, labels), twin(ids, labels)
     torch.testing.assert_close(loss, want, **tol(torch.float32, 4))
     torch.testing.assert_close(logits, want_logits, **tol(torch.float32))
+    r = torch.randn(logits.shape, device=device, generator=torch.Generator(device).manual_seed(3))
+    extra = (lambda z: (z * r).sum() / z.shape[1]) if use_logits else (lambda z: 0)
+    (loss * 1.7 + extra(logits)).backward()
+    (want * 1.7 + extra(want_logits)).backward()
+    _check_grads(model, twin, torch.float32)
     notes = _notes(fused)
-    assert not any(n.startswith(CLAIMED) for n in notes), notes
-    assert any("linear + cross-entropy left to its ops: the logits are read elsewhere" in n for n in notes), notes
+    assert any(n.startswith(CLAIMED) and "the logits returned" in n for n in notes), notes
 
 
 def test_the_option_turns_it_off(device):
@@ -127,16 +135,20 @@ def test_inference_is_left_alone(device):
     assert not any(n.startswith(CLAIMED) for n in _notes(fused))
 
 
-def test_a_hugging_face_training_step_that_returns_the_loss(device):
-    """A step compiled around the model (its logits dead): LLaMA's head and its ForCausalLMLoss become
-    the op; every parameter's gradient matches eager."""
+def _tiny_llama(device):
+    """A one-layer LLaMA (vocabulary 301: an odd class count), its eager twin, and a batch of ids."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=301, hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2)).to(device)
-    twin = copy.deepcopy(model)
-    ids = torch.randint(0, 301, (2, 23), device=device)
+    return model, copy.deepcopy(model), torch.randint(0, 301, (2, 23), device=device)
+
+
+def test_a_hugging_face_training_step_that_returns_the_loss(device):
+    """A step compiled around the model (its logits dead): LLaMA's head and its ForCausalLMLoss become
+    the op; every parameter's gradient matches eager."""
+    model, twin, ids = _tiny_llama(device)
     fused = fuser.fuse(lambda ids: model(input_ids=ids, labels=ids).loss)
     loss = fused(ids)
     want = twin(input_ids=ids, labels=ids).loss
@@ -145,3 +157,19 @@ def test_a_hugging_face_training_step_that_returns_the_loss(device):
     want.backward()
     _check_grads(model, twin, torch.float32)
     assert any(n.startswith(CLAIMED) for n in _notes(fused)), _notes(fused)
+
+
+def test_a_hugging_face_model_compiled_whole(device):
+    """`torch.compile(model, backend="fuser")` on a causal LM called with labels: its output holds the loss
+    and the logits; the head and its loss become the op that returns the logits; gradients match eager."""
+    model, twin, ids = _tiny_llama(device)
+    before = len(fuser.reports())
+    compiled = torch.compile(model, backend="fuser")
+    out, want = compiled(input_ids=ids, labels=ids), twin(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.loss, want.loss, **tol(torch.float32, 4))
+    torch.testing.assert_close(out.logits, want.logits, **tol(torch.float32, 4))
+    out.loss.backward()
+    want.loss.backward()
+    _check_grads(model, twin, torch.float32)
+    notes = [n for r in fuser.reports()[before:] for n in r.notes]
+    assert any(n.startswith(CLAIMED) and "the logits returned" in n for n in notes), notes

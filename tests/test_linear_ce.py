@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fuser.codegen.cross_entropy import block_v
-from fuser.linear_ce import linear_cross_entropy, rows_per_chunk
+from fuser.linear_ce import linear_cross_entropy, linear_cross_entropy_op, rows_per_chunk
 from tolerances import tol
 
 N, D, V = 37, 48, 1531  # odd sizes: masked last tiles everywhere; V > the interpreter's BLOCK_V
@@ -204,3 +204,24 @@ def test_chunk_rule():
     assert rows_per_chunk(65536, 1 << 20, 16384) == 1024  # Liger's rule above the floor: 65536 / 64
     assert rows_per_chunk(10, 100, 1000) == 10  # clamped to N
     assert rows_per_chunk(0, 100, 10) == 1
+
+
+def test_one_logits_buffer_at_a_time(device):
+    """The op's memory over its inputs is its outputs plus one chunk's logits (also every slice's), and
+    here a padded copy of the weight: run 58 found three [chunk, V] tensors live at once at llama-128k's peak."""
+    if device != "cuda":
+        pytest.skip("the CUDA caching allocator's peak counter")
+    n, v, d, chunk = 4096, 8001, 256, 1024
+    x, w, _, t = _inputs(device, torch.bfloat16, n=n, v=v, d=d, bias=False)
+    run = lambda: linear_cross_entropy_op(x, w, None, t, -100, 0.0, "mean", chunk)  # noqa: E731
+    run()  # cuBLAS's workspace, the kernels
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run()
+    torch.cuda.synchronize()
+    held = sum(o.untyped_storage().nbytes() for o in out)
+    extra = torch.cuda.max_memory_allocated() - base - held
+    one_chunk = chunk * v * x.element_size()
+    padded_weight = w.numel() * w.element_size()  # V is odd: the weight's rows padded to 8008 (linear_ce._padded)
+    assert one_chunk <= extra <= one_chunk + chunk * 16 + padded_weight + n * 64 + (1 << 20), (extra, one_chunk)
