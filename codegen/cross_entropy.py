@@ -98,11 +98,13 @@ def {KERNEL}(LOGITS, stride, TARGET, LOSS, LSE, SCALE, V, ignore_index, label_sm
 
 
 @triton.jit
-def {GRAD_KERNEL}(LOGITS, stride, UPSTREAM, up_stride, OUT, out_stride, TARGET, LSE, SCALE, V, V0, VS, ignore_index,
-                  label_smoothing, BLOCK_V: tl.constexpr, HAS_UPSTREAM: tl.constexpr):
+def {GRAD_KERNEL}(LOGITS, stride, UPSTREAM, up_stride, OUT, out_stride, TARGET, LSE, SCALE, ROWSUM, V, V0, VS,
+                  ignore_index, label_smoothing, BLOCK_V: tl.constexpr, HAS_UPSTREAM: tl.constexpr,
+                  CHECK: tl.constexpr):
     # one row's classes [V0, V0 + VS) (LOGITS points at class V0 of row 0, rows `stride` apart): their
     # gradient, plus the logits' own upstream gradient where given, to OUT's [rows, VS]; classes from V on
-    # (the padding of the weight's rows: linear_ce._padded) are read nowhere and written 0
+    # (the padding of the weight's rows: linear_ce._padded) are read nowhere and written 0.  CHECK (whole
+    # rows): the sum of the row's probabilities to ROWSUM (1 unless the logits changed since their lse)
     row = tl.program_id(0).to(tl.int64)
     src = LOGITS + row * stride
     dst = OUT + row * out_stride
@@ -111,15 +113,20 @@ def {GRAD_KERNEL}(LOGITS, stride, UPSTREAM, up_stride, OUT, out_stride, TARGET, 
     scale = tl.load(SCALE)
     lse = tl.load(LSE + row)
     offs = tl.arange(0, BLOCK_V)
+    total = tl.zeros((), tl.float32)
     for start in range(0, VS, BLOCK_V):
         cols = start + offs
         ok = cols < VS
         real = ok & (cols + V0 < V)
         x = tl.load(src + cols, mask=real, other=0.0).to(tl.float32)
+        if CHECK:
+            total += tl.sum(tl.where(real, tl.exp(x - lse), 0.0), 0)
         g = _gradient(x, cols + V0, lse, target, kept, scale, V, label_smoothing)
         if HAS_UPSTREAM:
             g += tl.load(UPSTREAM + row * up_stride + cols, mask=real, other=0.0).to(tl.float32)
         tl.store(dst + cols, {store_real}, mask=ok)
+    if CHECK:
+        tl.store(ROWSUM + row, total)
 '''
 
 
@@ -153,19 +160,21 @@ def prepare(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse:
 
 def prepare_grad(logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, n_classes: int,
                  first: int, *, ignore_index: int, label_smoothing: float, scale: torch.Tensor,
-                 upstream: torch.Tensor | None = None):
+                 upstream: torch.Tensor | None = None, row_sums: torch.Tensor | None = None):
     """Host side of `cross_entropy_grad`: the gradient w.r.t. the logits of classes [first, first +
     out.shape[1]) of some rows, from the rows' log-sum-exp `lse` (cross_entropy_rows'), plus `upstream`
     (the logits' own gradient) where given, written to `out` ([rows, width], unit column stride; may be
     `logits` itself).  `logits` and `upstream`: [rows, >= the classes below n_classes of the block]
     starting at class `first`, any row stride, unit column stride; classes from n_classes on are read
-    nowhere and written 0."""
+    nowhere and written 0.  `row_sums` ([rows] fp32; the block must be whole rows): each row's sum of
+    probabilities, written (1 up to rounding, unless the logits changed after `lse` was taken from them)."""
     meta = _checked(logits, target, lse, scale, out.shape[1])
     if out.stride(-1) != 1 or out.shape[0] != logits.shape[0] or out.dtype != logits.dtype:
         raise ValueError("cross_entropy_grad: wants `out` of the logits' rows and dtype, unit column stride")
     if upstream is not None and (upstream.shape[0] != logits.shape[0] or upstream.stride(-1) != 1):
         raise ValueError("cross_entropy_grad: wants the upstream gradient of the logits' rows, unit column stride")
     up = upstream if upstream is not None else out
-    args = (logits, logits.stride(0), up, up.stride(0), out, out.stride(0), target, lse, scale, n_classes, first,
-            out.shape[1], int(ignore_index), float(label_smoothing))
-    return (logits.shape[0],), args, dict(meta, HAS_UPSTREAM=upstream is not None)
+    args = (logits, logits.stride(0), up, up.stride(0), out, out.stride(0), target, lse, scale,
+            row_sums if row_sums is not None else lse, n_classes, first, out.shape[1], int(ignore_index),
+            float(label_smoothing))
+    return (logits.shape[0],), args, dict(meta, HAS_UPSTREAM=upstream is not None, CHECK=row_sums is not None)

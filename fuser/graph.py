@@ -40,6 +40,19 @@ def is_tensor(n) -> bool:
     return meta(n) is not None
 
 
+def computed_from(nodes, source: fx.Node) -> bool:
+    """Is any of `nodes` `source` or computed from it (through any nodes)?"""
+    stack, seen = list(nodes), set()
+    while stack:
+        a = stack.pop()
+        if a is source:
+            return True
+        if a not in seen:
+            seen.add(a)
+            stack.extend(a.all_input_nodes)
+    return False
+
+
 def is_size(n) -> bool:
     """A node computing a size (a SymInt from sym_size, or arithmetic on sizes): not data; a
     kernel that needs the value takes it as an argument."""

@@ -313,13 +313,21 @@ def linear_cross_entropy_logits_backward_op(x: torch.Tensor, weight: torch.Tenso
     step = min(chunk_rows or rows_per_chunk(n, n_classes, dim), n)
     buf, width = _buffer(x, n, step, vp)
     source = _source(x.dtype, x.device.type)
+    sums = x.new_empty(n, dtype=torch.float32)
     for lo in range(0, n, step):  # grad_x by chunks of rows, each over every class (the padded ones: 0)
         hi = min(lo + step, n)
         out = _view(buf, hi - lo, vp)
         grid, args, meta = prepare_grad(z[lo:hi], out, t[lo:hi], lse[lo:hi], n_classes, 0, **ce,
-                                        upstream=None if up is None else up[lo:hi])
+                                        upstream=None if up is None else up[lo:hi], row_sums=sums[lo:hi])
         launch(source, GRAD_KERNEL, grid, args, meta, x.device.type)
         torch.mm(out, wp, out=grad_x[lo:hi])
+    # the caller holds the logits (returned), which AOT Autograd hands out as a view that does not share
+    # the saved tensor's version counter: a change in place before the backward (`logits.div_(T)`) would
+    # go unseen and the gradient would be silently wrong.  Their rows no longer sum to 1 under the saved
+    # log-sum-exps: raise (asynchronously on CUDA, as the targets' check; a NaN or infinite row passes)
+    torch._assert_async(~((sums - 1).abs() > 1e-3).any(), "linear_cross_entropy: the logits it returned were "
+                        "modified in place before the backward, which reads them: modify a copy (logits.clone()) "
+                        "or run the backward first")
     if step >= n:  # one chunk: its gradient is whole, the weight's gradient from it
         torch.mm(out.t(), x2, out=grad_w)
         if has_bias:

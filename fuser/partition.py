@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from . import ops
 from .cost import Cost, eager_slow_path, eager_time, region_cost
-from .graph import OWN_KERNEL, ComputeGraph
+from .graph import OWN_KERNEL, ComputeGraph, is_size
 from .region import Region, analyze, reduction_space
 
 
@@ -38,11 +38,38 @@ class Partitioner:
         for n in list(self.dag.nodes):
             for c in self.cg.consumers(n):
                 self.dag.add_edge(n, c)
+            for p in self._size_sources(n):  # a size read off a tensor orders its producer first too
+                if p in self.dag and p is not n:
+                    self.dag.add_edge(p, n)
         self.group: dict = {}
         self.members: dict[int, set] = {}
         self.reasons: dict = {}
         self.costs: dict = {}  # region -> Cost, for the regions partition() returns
         self._eager: dict = {}  # node -> eager_time
+
+    def _size_sources(self, n) -> set:
+        """The nodes whose tensors n's sizes are read off (sym_size of them, through views and size
+        arithmetic): data_inputs leaves sizes out, but a region that made such a tensor and also
+        reads n's result would be a cycle (a recomputed GELU whose sym_size shapes the view a
+        matmul reads, and a product of that matmul in the same region)."""
+        out, stack, seen = set(), [a for a in n.all_input_nodes], set()
+        while stack:
+            a = stack.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            if is_size(a):
+                for t in a.all_input_nodes:
+                    if is_size(t):
+                        stack.append(t)
+                    elif self.cg.transparent(t) if t.op == "call_function" else False:
+                        out.update(self.cg.data_inputs(t))
+                        stack.extend(x for x in t.all_input_nodes if is_size(x))
+                    else:
+                        out.add(t)
+            elif a.op == "call_function" and self.cg.transparent(a):
+                stack.extend(a.all_input_nodes)  # a view's size arguments
+        return out
 
     def candidate(self, n) -> bool:
         return self.cg.is_compute(n) and self.cg.fusible(n) and self.supported(n)

@@ -205,11 +205,16 @@ def _claim_losses(traced: fx.GraphModule) -> list[str]:
     """Each linear layer feeding a cross-entropy rewritten as one op: `fuser::linear_cross_entropy` (the
     logits never held whole) where nothing else reads them, else `fuser::linear_cross_entropy_logits`
     (which returns them: a model compiled whole returns its logits); notes."""
-    notes = []
+    notes, taken = [], set()
     for m in cross_entropy.find(traced.graph):
         if isinstance(m, str):
             notes.append(f"linear + cross-entropy left to its ops: {m}")
             continue
+        if m.nodes[0] in taken:  # a second loss over the same logits: they come from the first op now
+            notes.append("linear + cross-entropy left to its ops: another cross-entropy over the same logits "
+                         "was claimed (it returns them)")
+            continue
+        taken.add(m.nodes[0])
         graph = traced.graph
         op = linear_cross_entropy_logits_op if m.returns_logits else linear_cross_entropy_op
         with graph.inserting_before(m.loss):

@@ -51,7 +51,7 @@ from triton.runtime.jit import JITFunction
 
 from . import indexing as ix
 from .dtypes import interpreted
-from .graph import meta
+from .graph import computed_from, meta
 from .plan import TensorSig, block_plan
 from .region import Region, persistent_at
 
@@ -1098,15 +1098,7 @@ def _same_layout(a, b) -> bool:
 
 def _reads(n, dst) -> bool:
     """Do n's arguments other than the first depend on dst?"""
-    stack, seen = [a for a in n.all_input_nodes if a is not n.args[0]], set()
-    while stack:
-        a = stack.pop()
-        if a is dst:
-            return True
-        if a not in seen:
-            seen.add(a)
-            stack.extend(a.all_input_nodes)
-    return False
+    return computed_from([a for a in n.all_input_nodes if a is not n.args[0]], dst)
 
 
 def aliased(n, members) -> frozenset:

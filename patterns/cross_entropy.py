@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fuser.graph import meta
+from fuser.graph import computed_from, meta
 
 aten = torch.ops.aten
 # between the matmul and the log-softmax: reshapes of the [N, V] rows and a float cast
@@ -81,6 +81,8 @@ def match(nll: fx.Node) -> LinearCrossEntropy | str | None:
         return "a bias that is not one value per class"
     if not (logits.dtype.is_floating_point and meta(x).dtype == meta(w_t).dtype):
         return f"logits of {logits.dtype} from {meta(x).dtype} x {meta(w_t).dtype}"
+    if returns_logits and computed_from([target], mm):
+        return "the targets are computed from the logits (the op would read what it makes)"
     loss = next((u for u in nll.users if u.target is operator.getitem and u.args[1] == 0), None)
     if loss is None or any(u is not loss for u in nll.users):
         return "the loss's total weight is read too"

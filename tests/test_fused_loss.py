@@ -3,6 +3,9 @@ one chunked op (fuser/linear_ce.py): the loss and every gradient match eager, th
 held whole, and where the logits are needed elsewhere (returned) the op returns them.
 The op itself (chunks, ignore_index, smoothing, dtypes) is tested in test_linear_ce.py."""
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -173,3 +176,61 @@ def test_a_hugging_face_model_compiled_whole(device):
     _check_grads(model, twin, torch.float32)
     notes = [n for r in fuser.reports()[before:] for n in r.notes]
     assert any(n.startswith(CLAIMED) and "the logits returned" in n for n in notes), notes
+
+
+def test_targets_computed_from_the_logits_are_left_to_their_ops(device):
+    """Pseudo-labels from the logits themselves (argmax): the op would read what it makes, so the pair is
+    left to its ops with the reason, and the graph's other claims stand; gradients match eager."""
+    class SelfLabelled(TinyLM):
+        def forward(self, ids, labels):
+            logits = self.head(torch.tanh(self.hidden(self.emb(ids))))
+            target = logits.detach().argmax(-1).view(-1)
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), target), logits
+
+    model = SelfLabelled().to(device)
+    twin = copy.deepcopy(model)
+    ids, labels = _batch(211, device)
+    fused = fuser.fuse(model)
+    (loss, _), (want, _) = fused(ids, labels), twin(ids, labels)
+    torch.testing.assert_close(loss, want, **tol(torch.float32, 4))
+    loss.backward()
+    want.backward()
+    _check_grads(model, twin, torch.float32)
+    assert any("left to its ops: the targets are computed from the logits" in n for n in _notes(fused)), _notes(fused)
+
+
+class Head(nn.Module):
+    """An LM head over embeddings, returning (loss, logits)."""
+
+    def __init__(self, vocab=211, d=24):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.emb(ids)))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1)), logits
+
+
+def _temperature_in_place(device):
+    ids, labels = _batch(211, device)
+    loss, logits = fuser.fuse(Head().to(device))(ids, labels)
+    logits.div_(2.0)
+    loss.backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def test_returned_logits_changed_in_place_before_the_backward_raise(device):
+    """The op keeps the logits it returns for its backward; a caller that divides them in place first
+    (a temperature) gets an error, not a wrong gradient (AOT Autograd hands the logits out as a view that
+    does not share the saved tensor's version counter, so autograd's own check is blind).  On CPU a
+    RuntimeError naming the cause; on CUDA an asynchronous device-side assert (no host sync in the
+    step), which leaves the process's CUDA context unusable: there it runs in a child process."""
+    if device == "cuda":
+        code = "import test_fused_loss as t; t._temperature_in_place('cuda')"
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        assert run.returncode != 0 and "device-side assert" in run.stderr, run.stderr[-2000:]
+        return
+    with pytest.raises(RuntimeError, match="modified in place before the backward"):
+        _temperature_in_place(device)

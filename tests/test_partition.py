@@ -245,3 +245,39 @@ def test_a_lone_broadcast_runs_as_our_kernel_and_matches_eager(device):
     fused = fuser.fuse(fn)
     assert_close_to_eager(fused(x, bias), fn(x, bias))
     assert [r.ops for r in fused.report.regions] == [["aten.add.Tensor"]]
+
+
+def test_no_cycle_through_a_size_read_off_a_region_member():
+    """A backward that recomputes a GELU (fuser's min-cut may) and reads its sym_size to shape the view a
+    matmul takes, whose product then joins the GELU's region, was a cycle at the second sequence length
+    (the graph fell back to eager): sizes order their tensors' producers too."""
+    class Conv1D(torch.nn.Module):  # Hugging Face's GPT-2 projection: addmm over a 2-D view
+        def __init__(self, nf, nx):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(nx, nf) * 0.1)
+            self.bias = torch.nn.Parameter(torch.randn(nf) * 0.1)
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.weight.shape[1])
+
+    class MLP(torch.nn.Module):
+        def __init__(self, d=32, f=128):
+            super().__init__()
+            self.ln, self.fc, self.proj = torch.nn.LayerNorm(d), Conv1D(f, d), Conv1D(d, f)
+
+        def forward(self, x):
+            return (x + self.proj(F.gelu(self.fc(self.ln(x)), approximate="tanh"))).square().mean()
+
+    torch.manual_seed(0)
+    model = MLP()
+    fused = fuser.fuse(model)
+    for t in (9, 13):
+        x = torch.randn(2, t, 32)
+        fused(x).backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).backward()
+        for g, p in zip(got, model.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+        model.zero_grad()
+    assert not [r.fallback for r in fuser.reports()[-4:] if getattr(r, "fallback", None)]
