@@ -155,6 +155,7 @@ class Partitioner:
                     if not merged and n.target is operator.getitem:
                         self.reasons[n] = "a component of an op that stays eager"
         self.absorb_producers()
+        self.absorb_siblings()
         regions = []
         for gid, nodes in self.members.items():
             compute = [n for n in nodes if n.target is not operator.getitem]
@@ -196,6 +197,21 @@ class Partitioner:
             targets = {self.group.get(c) for n in nodes for c in self.cg.consumers(n) if c not in nodes}
             if len(targets) == 1 and None not in targets:
                 self.try_merge(targets.pop(), gid)
+
+    def absorb_siblings(self):
+        """A lone op joins a group that reads the same input, where the model says it pays (the input
+        read once, a launch fewer): a GELU the backward recomputes for a weight's gradient, beside the
+        GELU's own gradient, which reads the same activation (vit's step ran 8 eager GELUs, run 66)."""
+        for gid in list(self.members):
+            nodes = self.members.get(gid, ())
+            compute = [n for n in nodes if n.target is not operator.getitem]
+            if len(compute) != 1 or not isinstance(self.cg.info[compute[0]], ops.Pointwise):
+                continue
+            siblings = sorted({self.group.get(c) for x in self.cg.data_inputs(compute[0])
+                               for c in self.cg.consumers(x)} - {gid, None})
+            for other in siblings:
+                if other in self.members and self.try_merge(other, gid):
+                    break
 
     def unfused(self, regions) -> list[tuple[fx.Node, str]]:
         """Every compute node left to eager, with the reason."""
