@@ -103,10 +103,28 @@ def _kept_rows(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch
     return kept.sum()
 
 
+def _scale_of(t: torch.Tensor, n_classes: int, ignore_index: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept rows, the reduction's factor on the gradient), both 0-d on the device."""
+    n_kept = _kept_rows(t, n_classes, ignore_index)
+    # "mean" divides by the kept rows of the whole batch; with none kept, no row reads the scale
+    scale = n_kept.clamp_min(1).float().reciprocal() if reduction == "mean" else t.new_ones((), dtype=torch.float32)
+    return n_kept, scale
+
+
+def _total(row_loss: torch.Tensor, n_kept: torch.Tensor, reduction: str) -> torch.Tensor:
+    loss = row_loss.sum()
+    return loss / n_kept if reduction == "mean" else loss  # 0 / 0 = NaN with every row ignored, as eager gives
+
+
 @functools.lru_cache(maxsize=None)
 def _source(dtype: torch.dtype, device_type: str) -> str:
     with dtypes.target(device_type):
         return row_source(dtype)
+
+
+def _per(t: torch.Tensor) -> int:
+    """Elements in 16 bytes: what cuBLAS's fast kernels want a matmul's dimensions to be multiples of."""
+    return max(1, 16 // t.element_size())
 
 
 def _padded(weight: torch.Tensor, bias: torch.Tensor | None):
@@ -117,8 +135,7 @@ def _padded(weight: torch.Tensor, bias: torch.Tensor | None):
     matmuls too (pad_mm).  The added classes' logits are exact zeros, their gradient is written 0, and
     their rows of grad_weight are dropped."""
     v = weight.shape[0]
-    per = max(1, 16 // weight.element_size())
-    vp = -(-v // per) * per
+    vp = -(-v // _per(weight)) * _per(weight)
     if vp == v:
         return weight, bias
     padded = weight.new_zeros(vp, weight.shape[1])
@@ -129,7 +146,7 @@ def _padded(weight: torch.Tensor, bias: torch.Tensor | None):
 def _buffer(x: torch.Tensor, n: int, step: int, classes: int) -> tuple[torch.Tensor, int]:
     """(one flat buffer for every chunk's [step, classes] logits and every slice's [N, width], the slices'
     width: a multiple of 16 bytes, as `classes` is)."""
-    per = max(1, 16 // x.element_size())
+    per = _per(x)
     width = max(per, step * classes // n // per * per) if step < n else classes
     return x.new_empty(max(min(step, n) * classes, n * width if step < n else 0)), width
 
@@ -172,9 +189,7 @@ def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     n_classes, dim = weight.shape
     x2, t = x.reshape(-1, dim), target.reshape(-1).contiguous()  # the matmuls take any strides
     n = x2.shape[0]
-    n_kept = _kept_rows(t, n_classes, ignore_index)
-    # "mean" divides by the kept rows of the whole batch; with none kept, no row reads the scale
-    scale = n_kept.clamp_min(1).float().reciprocal() if reduction == "mean" else x.new_ones((), dtype=torch.float32)
+    n_kept, scale = _scale_of(t, n_classes, ignore_index, reduction)
     source = _source(x.dtype, x.device.type)
     row_loss = x.new_empty(n, dtype=torch.float32)
     lse = x.new_empty(n, dtype=torch.float32)
@@ -204,10 +219,7 @@ def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if step < n:  # several: by slices of the vocabulary, each [N, width] no larger than a chunk's logits
         _weight_grads(x2, n_classes, t, lse, grad_w, grad_b if bias is not None else None, buf, width, ce,
                       lambda v0, v1, out: _linear(x2, wp[v0:v1], bp[v0:v1] if bias is not None else None, out))
-    loss = row_loss.sum()
-    if reduction == "mean":
-        loss = loss / n_kept  # 0 / 0 = NaN with every row ignored, as eager gives
-    return loss, grad_x.view(x.shape), grad_w[:n_classes], grad_b[:n_classes]
+    return _total(row_loss, n_kept, reduction), grad_x.view(x.shape), grad_w[:n_classes], grad_b[:n_classes]
 
 
 @linear_cross_entropy_op.register_fake
@@ -245,13 +257,6 @@ call_directly(linear_cross_entropy_op)
 # [N, V] fp32 upcast and the [N, V] gradient.
 
 
-def _scale_of(t: torch.Tensor, n_classes: int, ignore_index: int, reduction: str):
-    n_kept = _kept_rows(t, n_classes, ignore_index)
-    # "mean" divides by the kept rows of the whole batch; with none kept, no row reads the scale
-    scale = n_kept.clamp_min(1).float().reciprocal() if reduction == "mean" else t.new_ones((), dtype=torch.float32)
-    return n_kept, scale
-
-
 @torch.library.custom_op("fuser::linear_cross_entropy_logits", mutates_args=())
 def linear_cross_entropy_logits_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                    target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str,
@@ -274,10 +279,7 @@ def linear_cross_entropy_logits_op(x: torch.Tensor, weight: torch.Tensor, bias: 
     grid, args, meta = prepare(logits, t, row_loss, lse, ignore_index=ignore_index, label_smoothing=label_smoothing,
                                scale=scale, write_grad=False)
     launch(_source(x.dtype, x.device.type), KERNEL, grid, args, meta, x.device.type)
-    loss = row_loss.sum()
-    if reduction == "mean":
-        loss = loss / n_kept  # 0 / 0 = NaN with every row ignored, as eager gives
-    return loss, logits.view(*x.shape[:-1], n_classes), lse, scale
+    return _total(row_loss, n_kept, reduction), logits.view(*x.shape[:-1], n_classes), lse, scale
 
 
 @linear_cross_entropy_logits_op.register_fake

@@ -62,7 +62,7 @@ class Partitioner:
                 for t in a.all_input_nodes:
                     if is_size(t):
                         stack.append(t)
-                    elif self.cg.transparent(t) if t.op == "call_function" else False:
+                    elif t.op == "call_function" and self.cg.transparent(t):
                         out.update(self.cg.data_inputs(t))
                         stack.extend(x for x in t.all_input_nodes if is_size(x))
                     else:

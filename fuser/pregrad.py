@@ -245,7 +245,8 @@ def _claim_losses(traced: fx.GraphModule) -> list[str]:
 def _after(node: fx.Node, graph: fx.Graph) -> None:
     """Move the readers of `node` that come before it (the matmul it replaces was earlier: its other
     readers, such as the model's output view, stayed there) to just after it, in order, with everything
-    of theirs that also came before it.  Nothing left behind reads what moves: it would read `node` too."""
+    of theirs that also came before it.  Nothing left behind reads what moves: it would read `node` too.
+    (fx's legalize_graph would re-sort the whole graph, moving what needs no move.)"""
     reads, early = {node}, []
     for n in graph.nodes:
         if n is node:
