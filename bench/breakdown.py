@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models as M  # noqa: E402  (bench/models.py: the same models, inputs and systems)
 
-TOP_KERNELS, TOP_HOST, TOP_API = 25, 25, 8
+TOP_KERNELS, TOP_HOST, TOP_API, TOP_FILES = 25, 25, 8, 20  # --top sets the first two
 
 
 def kernels(fn, steps=5):
@@ -58,18 +58,19 @@ def kernels(fn, steps=5):
 
 
 def unprofiled(fn, steps=20):
-    """(host us, step us, synchronising calls) per step, without a profiler.  Host: the step's
+    """(host us, step us, synchronising calls, host us of the forward, backward and optimizer or
+    None) per step, without a profiler.  Host: the step's
     Python with ~100 ms of GPU work queued ahead of it, so that it never waits for the GPU (unless
     it synchronises): what the host costs.  Step: steps back to back, as a training loop runs them.
     Synchronising calls: those torch's sync debug mode reports in one step (each stalls the host
     until the GPU drains).  Host above the kernel time: the step waits on the host."""
     hosts = []
-    for _ in range(3):
+    for _ in range(5):
         torch.cuda.synchronize()
         torch.cuda._sleep(int(2e8))
         t0 = time.perf_counter()
         fn()
-        hosts.append(time.perf_counter() - t0)
+        hosts.append((time.perf_counter() - t0, getattr(fn, "phases", None)))
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
@@ -85,11 +86,13 @@ def unprofiled(fn, steps=20):
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) and "prototype" not in str(w.message) for w in caught)
     torch.cuda.synchronize()
-    return min(hosts) * 1e6, step * 1e6, syncs
+    best, phases = min(hosts, key=lambda h: h[0])
+    return best * 1e6, step * 1e6, syncs, None if phases is None else [p * 1e6 for p in phases]
 
 
 def host(fn, steps=20):
-    """[(function, own us per step, calls per step)], the most own time first, and the wall us per step."""
+    """[(function, own us per step, calls per step)], the most own time first, the wall us per step, and
+    [(source file, own us per step, calls per step)]."""
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     start = time.perf_counter()
@@ -102,7 +105,13 @@ def host(fn, steps=20):
     stats = pstats.Stats(prof).stats
     rows = [(f"{Path(file).name}:{line} {name}", tt / steps * 1e6, calls / steps)
             for (file, line, name), (_, calls, tt, _, _) in stats.items()]
-    return sorted(rows, key=lambda r: -r[1]), wall
+    files = defaultdict(lambda: [0.0, 0.0])  # own time per source file (a package's share of the host)
+    for (file, _, _), (_, calls, tt, _, _) in stats.items():
+        key = "/".join(Path(file).parts[-2:]) if file != "~" else "~ (builtins)"
+        files[key][0] += tt / steps * 1e6
+        files[key][1] += calls / steps
+    by_file = sorted(((k, t, c) for k, (t, c) in files.items()), key=lambda r: -r[1])
+    return sorted(rows, key=lambda r: -r[1]), wall, by_file
 
 
 def cell(name, system, fns, with_host):
@@ -110,18 +119,21 @@ def cell(name, system, fns, with_host):
     for _ in range(4):  # compile, then warm-up (reduce-overhead records its graphs here)
         fn()
     rows, total, api = kernels(fn)
-    host_us, step_us, syncs = unprofiled(fn)
+    host_us, step_us, syncs, phases = unprofiled(fn)
+    split = "" if phases is None else " (forward {:.0f}, backward {:.0f}, optimizer {:.0f})".format(*phases)
     lines = [f"### {name} / {system}", "", f"kernel time {total:.1f} us per step, "
              f"{sum(r[2] for r in rows):.0f} launches; without a profiler: step {step_us:.0f} us (back to back), "
-             f"host {host_us:.0f} us (the GPU busy ahead of it), {syncs} synchronising calls", "", "| kernel | us/step | launches | share |", "|---|---|---|---|"]
+             f"host {host_us:.0f} us{split} (the GPU busy ahead of it), {syncs} synchronising calls", "", "| kernel | us/step | launches | share |", "|---|---|---|---|"]
     lines += [f"| {n[:90]} | {t:.1f} | {c:.0f} | {t / total:.1%} |" for n, t, c in rows[:TOP_KERNELS]]
     lines += ["", "| CUDA API call on the host | own us/step | calls/step |", "|---|---|---|"]
     lines += [f"| {n[:90]} | {t:.1f} | {c:.1f} |" for n, t, c in api[:TOP_API]]
     if with_host:
-        hrows, wall = host(fn)
+        hrows, wall, by_file = host(fn)
         lines += ["", f"host: {wall:.0f} us wall per step (cProfile on; slower than without)", "",
                   "| function | own us/step | calls/step |", "|---|---|---|"]
         lines += [f"| {n[:90]} | {t:.1f} | {c:.0f} |" for n, t, c in hrows[:TOP_HOST]]
+        lines += ["", "| source file | own us/step | calls/step |", "|---|---|---|"]
+        lines += [f"| {n[:90]} | {t:.1f} | {c:.0f} |" for n, t, c in by_file[:TOP_FILES]]
     return lines + [""]
 
 
@@ -131,7 +143,10 @@ def main(argv=None):
     p.add_argument("--systems", default="inductor,fuser")
     p.add_argument("--train", action="store_true", help="training steps (models.py --train's makers)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--top", type=int, default=25, help="kernels and host functions listed per cell")
     args = p.parse_args(argv)
+    global TOP_KERNELS, TOP_HOST
+    TOP_KERNELS = TOP_HOST = args.top
     device = torch.device("cuda")
     meta = M._meta(device, False)
     systems = args.systems.split(",")

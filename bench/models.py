@@ -28,6 +28,8 @@ step's loss with eager+sdpa's; peak MiB is over the memory held before the step 
 AdamW state).  llama-128k is llama-gqa with a 128256-token vocabulary at B4 T2048 (8192 tokens: its
 logits are 2.1 GB in bf16), for the fused linear + cross-entropy; llama-128k-whole is the same with the
 model itself compiled (a user's `torch.compile(model)`: its output holds the logits too, so they are made).
+A host-bound step moves with the host, so after its cells are measured each system's step is timed again
+in turns with the others (`interleave`), and ms is the median of those runs.
 Models: all but llama-decode (inference: all but llama-128k-whole).  Systems: eager, eager+sdpa, inductor, fuser, fuser-eager-attn.
 
 Writes <gpu>-<date>-models.{json,md} after every cell, so a run cut short keeps what it measured.
@@ -271,13 +273,18 @@ def _prepare_train(name, d, device, systems):
         graphed = system in ("inductor-ro", "fuser-cg")
 
         def step():
+            start = time.perf_counter()
             if graphed:  # a new step: the previous step's graph outputs may be overwritten
                 torch.compiler.cudagraph_mark_step_begin()
             loss = compiled(**kwargs, labels=kwargs["input_ids"]).loss if whole else compiled(**kwargs)
+            forward = time.perf_counter()
             loss.backward()
+            backward = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            step.phases = (forward - start, backward - forward, time.perf_counter() - backward)
             return loss.detach()
+        step.phases = None  # the host seconds of the latest step's forward, backward and optimizer (breakdown.py)
         return step
 
     ref = loss_of(base)(**kwargs).detach()
@@ -323,7 +330,7 @@ def measure(cell, make, ref, device, smoke, streamed=False):
     as a training loop runs (the median of 3 runs of STREAM_STEPS steps back to back); do_bench's
     median, which waits for every step and clears the L2 cache between steps, goes in bench_ms.
     On this host the two disagree by up to 1.8x for host-bound steps (bench/notes.md, run 40)."""
-    fn = make()
+    fn = cell["_fn"] = make()
     _sync(device)
     start = time.perf_counter()
     out = fn().detach().clone()  # cloned at once: a CUDA graph's next replay overwrites its output
@@ -372,9 +379,11 @@ def run_model(name, args, device, emit):
     except Exception as e:  # noqa: BLE001 - a model that cannot be built leaves the others measured
         emit({"model": name, "system": "build", "error": _first_line(e)})
         return
+    cells = []
     for system in args.systems:
         torch._dynamo.reset()
         cell = {"model": name, "system": system, "attn": attn[system]}
+        cells.append(cell)
         seen = len(all_reports())
         try:
             with (torch.enable_grad() if args.train else torch.no_grad()), time_limit(args.limit):
@@ -392,7 +401,39 @@ def run_model(name, args, device, emit):
         emit(cell)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.train and device.type == "cuda":
+        interleave([c for c in cells if "ms" in c])
+        emit(None)
+    for c in cells:
+        c.pop("_fn", None)
     torch._dynamo.reset()
+
+
+INTERLEAVED_ROUNDS = 5
+
+
+def interleave(cells):
+    """A host-bound step's time moves with the host (the same code read 6.2 and 8.5 ms in two processes, and
+    ±20% between the runs of one measurement): so the systems' steps are timed again in turns, one run of
+    STREAM_STEPS steps each, round after round, and each cell's ms becomes the median of its runs (the
+    first measurement stays in ms_sequential).  A drift of the host then weighs on every system alike."""
+    if len(cells) < 2:
+        return
+    runs = {id(c): [] for c in cells}
+    for c in cells:  # each system's graphs again (Dynamo was reset between the systems), and a warm-up
+        for _ in range(3):
+            c["_fn"]()
+    for _ in range(INTERLEAVED_ROUNDS):
+        for c in cells:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(STREAM_STEPS):
+                c["_fn"]()
+            torch.cuda.synchronize()
+            runs[id(c)].append((time.perf_counter() - start) / STREAM_STEPS * 1e3)
+    for c in cells:
+        c["ms_sequential"], c["ms"] = c["ms"], statistics.median(runs[id(c)])
+        c["ms_runs"] = [round(r, 3) for r in runs[id(c)]]
 
 
 def _first_line(e):
@@ -415,7 +456,7 @@ def markdown(meta, cells):
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}"
              f"{'; SMOKE (CPU, tiny configs; ms = median of 3 calls)' if meta['smoke'] else ''}.", "",
              "ms = do_bench median of one step (training: steps back to back as a training loop runs them, "
-             "the median of 3 runs of 10 steps, per step; do_bench's median, which waits for each step, in do_bench ms); vs inductor = inductor ms / ms (inductor-ro for reduce-overhead "
+             "timed in turns with the other systems (interleave): the median of 5 runs of 10 steps, per step; do_bench's median, which waits for each step, in do_bench ms); vs inductor = inductor ms / ms (inductor-ro for reduce-overhead "
              "systems), vs eager = eager ms / ms (>1: faster); wall/kernel = host wall ms / GPU kernel ms per step "
              "over 5 profiled steps; kernels per step; peak MiB = peak allocated in one call over what was "
              "allocated before it; compile s = first call; err = ||a-b||/||b|| vs eager+sdpa (ok < 2e-2). "
@@ -488,10 +529,11 @@ def main(argv=None):
     stem.parent.mkdir(parents=True, exist_ok=True)
     cells = []
 
-    def emit(cell):
-        cells.append(cell)
-        print(cell, flush=True)
-        stem.with_suffix(".json").write_text(json.dumps(cells, indent=1))
+    def emit(cell):  # None: the cells emitted so far changed (interleave)
+        if cell is not None:
+            cells.append(cell)
+            print({k: v for k, v in cell.items() if k != "_fn"}, flush=True)
+        stem.with_suffix(".json").write_text(json.dumps([{k: v for k, v in c.items() if k != "_fn"} for c in cells], indent=1))
         stem.with_suffix(".md").write_text(markdown(meta, cells))
 
     for name in models:

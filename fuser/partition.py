@@ -199,16 +199,20 @@ class Partitioner:
                 self.try_merge(targets.pop(), gid)
 
     def absorb_siblings(self):
-        """A lone op joins a group that reads the same input, where the model says it pays (the input
-        read once, a launch fewer): a GELU the backward recomputes for a weight's gradient, beside the
-        GELU's own gradient, which reads the same activation (vit's step ran 8 eager GELUs, run 66)."""
+        """A group joins a sibling, where the model says it pays: a group that reads the same tensor
+        (the input read once, a launch fewer: the backward's recomputed GELU beside the GELU's own
+        gradient, vit's step ran 8 eager GELUs in run 66; a LayerNorm recomputed for a weight's
+        gradient beside the LayerNorm's gradient), or one that reads a tensor of the same producing
+        group (a launch fewer: a LayerNorm's weight and bias gradients, two column sums over the
+        gradient kernel's outputs).  Horizontal fusion: the two share no path (try_merge's cycle test)."""
         for gid in list(self.members):
-            nodes = self.members.get(gid, ())
-            compute = [n for n in nodes if n.target is not operator.getitem]
-            if len(compute) != 1 or not isinstance(self.cg.info[compute[0]], ops.Pointwise):
+            nodes = self.members.get(gid)
+            if nodes is None:
                 continue
-            siblings = sorted({self.group.get(c) for x in self.cg.data_inputs(compute[0])
-                               for c in self.cg.consumers(x)} - {gid, None})
+            inputs = {x for n in nodes for x in self.cg.data_inputs(n) if x not in nodes}
+            producers = {self.group[x] for x in inputs if x in self.group}
+            near = inputs | {m for p in producers for m in self.members.get(p, ())}
+            siblings = sorted({self.group.get(c) for x in near for c in self.cg.consumers(x)} - {gid, None} - producers)
             for other in siblings:
                 if other in self.members and self.try_merge(other, gid):
                     break

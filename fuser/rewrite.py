@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from . import indexing as ix
-from .runtime import allocator, fast_views, reuse_buffers, write_outputs_in_place
+from .runtime import allocator, fast_views, reinterpret, reuse_buffers, write_outputs_in_place
 
 
 class Unbound(Exception):
@@ -84,7 +84,7 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None
         return order[u.nodes[0]] if u in by_region else order[u]
 
     graph, env = fx.Graph(), {}
-    allocations, ours, allocators = set(), set(), {}
+    allocations, ours, allocators, calls = set(), set(), {}, {}
     for u in nx.lexicographical_topological_sort(units, key=key):
         if u not in by_region:
             if any(a not in env for a in u.all_input_nodes):
@@ -98,21 +98,24 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None
             call = graph.call_function(k.entry(), tuple(args))
             outs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(u.outputs))]
         else:
-            k.checked = tuple(i for i, a in enumerate(args) if a not in ours)
             bufs = []
             for shape, stride, dtype, device in buffers:
                 alloc = allocators.get(device) or allocators.setdefault(device, allocator(device))
                 bufs.append(graph.create_node("call_function", alloc, (shape, stride, dtype), name=f"buf{len(allocations)}"))
                 allocations.add(bufs[-1])
             call = graph.call_function(k.entry(), (*args, *bufs))
+            calls[call] = k
             outs = [call] if len(bufs) == 1 else [graph.call_function(operator.getitem, (call, i)) for i in range(len(bufs))]
             ours.update(outs)
         for o, new in zip(u.outputs, outs):
             env[o] = new
             new.meta = dict(o.meta)
     graph.eliminate_dead_code()
-    exact = ours | {n for n in graph.nodes if n.meta.get("folded")}
+    exact = ours | {n for n in graph.nodes if n.meta.get("folded") or _contiguous_by_construction(n)}
     fast_views(graph, exact)
+    for call, k in calls.items():  # a kernel checks the inputs whose layout the graph does not fix
+        k.checked = tuple(i for i, a in enumerate(call.args[:len(k.in_sigs)])
+                          if a not in exact and not (a.target is reinterpret and a.args[0] in exact))
     in_place = write_outputs_in_place(graph, allocations)
     reuse_buffers(graph, allocations & set(graph.nodes))
     new = fx.GraphModule(gm, graph)
@@ -121,3 +124,15 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None
     new.recompile()
     new.in_place = in_place  # the kernels writing over an input (for the report)
     return new
+
+
+# eager ops whose result is a new contiguous tensor whatever their inputs' layouts (their meta functions,
+# which the fake tensors follow, and their kernels allocate it so): a view of one needs no layout check
+_NEW_CONTIGUOUS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                   torch.ops.aten.baddbmm.default}
+
+
+def _contiguous_by_construction(n) -> bool:
+    v = n.meta.get("val")
+    return n.target in _NEW_CONTIGUOUS and isinstance(v, torch.Tensor) and v.is_contiguous() \
+        and all(isinstance(x, int) for x in v.shape)
