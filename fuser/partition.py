@@ -14,6 +14,7 @@ import operator
 from typing import Callable
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 from . import ops
@@ -204,17 +205,24 @@ class Partitioner:
         gradient, vit's step ran 8 eager GELUs in run 66; a LayerNorm recomputed for a weight's
         gradient beside the LayerNorm's gradient), or one that reads a tensor of the same producing
         group (a launch fewer: a LayerNorm's weight and bias gradients, two column sums over the
-        gradient kernel's outputs).  Horizontal fusion: the two share no path (try_merge's cycle test)."""
+        gradient kernel's outputs).  Horizontal fusion: the two share no path (try_merge's cycle test).
+        Groups over symbolic sizes: a lone pointwise op only (a merged pair of spaces there made index
+        math codegen could not print: `Mod`, a decode graph over the cache length, CUDA run 77)."""
         for gid in list(self.members):
             nodes = self.members.get(gid)
             if nodes is None:
                 continue
+            compute = [n for n in nodes if n.target is not operator.getitem]
+            lone = len(compute) == 1 and isinstance(self.cg.info[compute[0]], ops.Pointwise)
+            static = _static(nodes)
+            if not (lone or static):
+                continue
             inputs = {x for n in nodes for x in self.cg.data_inputs(n) if x not in nodes}
             producers = {self.group[x] for x in inputs if x in self.group}
-            near = inputs | {m for p in producers for m in self.members.get(p, ())}
+            near = inputs | {m for p in producers for m in self.members.get(p, ())} if static else inputs
             siblings = sorted({self.group.get(c) for x in near for c in self.cg.consumers(x)} - {gid, None} - producers)
             for other in siblings:
-                if other in self.members and self.try_merge(other, gid):
+                if other in self.members and (lone or _static(self.members[other])) and self.try_merge(other, gid):
                     break
 
     def unfused(self, regions) -> list[tuple[fx.Node, str]]:
@@ -229,6 +237,12 @@ class Partitioner:
                 n, "not supported by the support predicate" if not self.supported(n) else "left out")
             out.append((n, reason))
         return out
+
+
+def _static(nodes) -> bool:
+    """Every tensor of `nodes` has int sizes."""
+    return all(all(isinstance(d, int) for d in v.shape) for n in nodes
+               if isinstance(v := n.meta.get("val"), torch.Tensor))
 
 
 def _forced(a: set, b: set) -> bool:
