@@ -16,12 +16,11 @@ import torch
 from . import indexing as ix
 from . import ops
 from .graph import ComputeGraph, is_generator, meta, numel
-from .plan import block_plan  # one place picks block sizes
+from .plan import NUM_SMS, block_plan, embedding_grad_plan  # one place picks block sizes
 from .region import Region
 
 HBM_BYTES_PER_S = 3.0e12   # about what an H100/H200 copy moves; only ratios matter for decisions
 LAUNCH_S = 4e-6            # one eager kernel launch (and its gap) on a GPU
-NUM_SMS = 132              # programs needed to keep every SM busy
 # eager's elementwise kernel leaves TensorIterator's vectorised path when an operand is broadcast or
 # of another dtype than the result: measured at 0.39-0.57x of a copy's bandwidth (H100, bf16
 # [32000, 2048]: times a 0-d fp32 CUDA tensor 1131 GB/s, a row-broadcast bias 1532, .float() 1923,
@@ -113,3 +112,24 @@ def eager_time(cg: ComputeGraph, n) -> float:
     b, launches = eager_cost(cg, n)
     bandwidth = HBM_BYTES_PER_S * (EAGER_SLOW_PATH if eager_slow_path(cg, n) else 1.0)
     return cg.sizes.hint(b) / bandwidth + launches * LAUNCH_S
+
+
+# eager's embedding gradient (aten.embedding_dense_backward on CUDA): up to 3072 indices, a feature kernel that
+# took 54-76 us a call whatever the table (H200, run 70: bert's 3 tables 227 us, gpt2's 2 107, t5's 80) and a
+# fill of the table; past that, a sort of the indices and segment sums: ~15 launches (t5's relative bias)
+EAGER_EMBEDDING_FEATURE_S = 50e-6
+EAGER_EMBEDDING_FEATURE_MAX = 3072
+EAGER_EMBEDDING_SORT_LAUNCHES = 15
+
+
+def embedding_grad_times(n: int, v: int, d: int, e: int) -> tuple[float, float]:
+    """(our one-hot kernel's modelled seconds, eager's) for the gradient of a [v, d] table of e-byte elements
+    over n indices.  Ours reads the gradient once per block of table rows (and its fp32 partials once
+    more where the indices are split); eager reads it once and writes the table twice (fill, then rows)."""
+    plan = embedding_grad_plan(n, v, d)
+    pv, _, split = plan.programs(v, d)
+    partials = 2 * split * v * d * 4 if split > 1 else 0
+    ours = (pv * n * (d * e + 8) + partials + v * d * e) / HBM_BYTES_PER_S + (1 + (split > 1)) * LAUNCH_S
+    fixed = EAGER_EMBEDDING_FEATURE_S + 2 * LAUNCH_S if n <= EAGER_EMBEDDING_FEATURE_MAX \
+        else EAGER_EMBEDDING_SORT_LAUNCHES * LAUNCH_S
+    return ours, (n * (d * e + 8) + 2 * v * d * e) / HBM_BYTES_PER_S + fixed

@@ -107,6 +107,9 @@ def refresh_fake(gm: fx.GraphModule, changed: list):
 # kernel to run at full bandwidth) would leave it: split.py's partial column sums, which eager's
 # reduce kernel ran at 14-19 us each for ~10 MB (ViT's bias gradients, bench/notes.md run 33)
 OWN_KERNEL = "fuser_own_kernel"
+# an eager op an op-family module takes (fuser/embedding.py): the function the wrapper calls instead of the
+# op, with the op's arguments (runtime.fast_calls swaps it in, once no pass reads the op's schema)
+OWN_CALL = "fuser_own_call"
 
 
 def replaced(gm: fx.GraphModule, changed: list) -> None:

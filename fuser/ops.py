@@ -893,8 +893,9 @@ OPAQUE = {
     aten.bernoulli: "random numbers are left to eager",
     aten.rand: "random numbers are left to eager", aten.randn: "random numbers are left to eager",
     aten.randint: "random numbers are left to eager (fuser::dropout's seed is one)",
-    aten.embedding_dense_backward: "an embedding's gradient: eager's sort-and-segment kernel (decomposed, an "
-                                   "index_put with accumulate serialises repeated indices)",
+    aten.embedding_dense_backward: "an embedding's gradient: eager's kernels (fuser/embedding.py takes a small "
+                                   "table where the cost model says it pays; decomposed, it would be an index_put "
+                                   "with accumulate, which serialises repeated indices)",
 }
 
 # SDPA kernels stay whole (they already never write the scores); the core decompositions would

@@ -22,6 +22,7 @@ from fuser.patterns.attention import extra_forms, find, mask_structure, normaliz
 from . import ops
 from .cost import eager_cost, tensor_bytes
 from .dtypes import target
+from .embedding import lower as lower_embedding_grads
 from .fold import fold_constants
 from .gqa import share_kv_heads
 from .padding import pad_matmuls
@@ -51,6 +52,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     folded = fold_constants(gm)
     padded = pad_matmuls(gm)
     split = split_column_sums(gm)
+    embedding_grads = dict(lower_embedding_grads(gm))
     report = FusionReport()
     if attention and normalize_attention(gm.graph):  # BLOOM's scores: Q·Kᵀ and a bias, for the recogniser
         gm.recompile()
@@ -97,7 +99,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     reasons = dict(part.unfused([u for u in units if u not in attentions]))
     reasons.update(dropped)  # a region dropped at codegen: its nodes say why, once
     for n, reason in reasons.items():
-        if n not in fused and n not in lowered and n.target is not operator.getitem:
+        if n not in fused and n not in lowered and n not in embedding_grads and n.target is not operator.getitem:
             report.unfused.append(Unfused(ops.op_name(n), n.name, reason, graph_index))
     devices = {n.meta["val"].device.type for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
     if "cpu" in devices and units:
@@ -110,6 +112,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         report.notes.append(f"matmuls with unaligned widths padded: {', '.join(padded)}")
     if split:
         report.notes.append(f"column sums split to fill the GPU: {'; '.join(split)}")
+    if embedding_grads:
+        report.notes.append(f"embedding gradients as our kernel: {'; '.join(embedding_grads.values())}")
     new = rewrite(gm, units, kernels, bound) if units else gm
     if units:  # on the final order of the calls; then the eager calls through torch's bindings (last:
         written = write_inputs_in_place(new.graph)  # the targets are no longer OpOverloads)

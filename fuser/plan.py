@@ -14,6 +14,9 @@ from . import indexing as ix
 from .region import persistent_at
 
 
+NUM_SMS = 132  # programs needed to keep every SM of an H100 / H200 busy
+
+
 def next_pow2(n: int) -> int:
     """The least power of 2 >= n (1 for n <= 1).  This and cdiv are triton.next_power_of_2's and
     triton.cdiv's values without their cost on the launch path (ConstexprFunctions in Triton 3.9:
@@ -109,3 +112,33 @@ def attention_bwd_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, in
     if on_gpu and dtype != torch.float32 and head_dim <= 128:
         return (64, 64, 4, 2) if head_dim > 64 else (64, 64, 4, 3)
     return attention_plan(head_dim, dtype, on_gpu)
+
+
+EMBEDDING_PARTIAL_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class EmbeddingGradPlan:
+    """The one-hot embedding gradient's launch (codegen/embedding.py): [BV table rows, BD columns] a
+    program, BN indices a step, the indices split in `split` parts of `chunk` (a multiple of BN), whose
+    fp32 partial sums a second kernel adds when split > 1."""
+    bv: int
+    bd: int
+    bn: int
+    split: int
+    chunk: int
+
+    def programs(self, v: int, d: int) -> tuple[int, int, int]:
+        return cdiv(v, self.bv), cdiv(d, self.bd), self.split
+
+
+def embedding_grad_plan(n: int, v: int, d: int) -> EmbeddingGradPlan:
+    """Tiles of 64 (tl.dot wants 16 at least: a narrower table, T5's 8 heads, is masked), and the indices
+    split until about two programs an SM, each program at least 4 steps of BN indices, the fp32 partials
+    within EMBEDDING_PARTIAL_BYTES (they are made at the backward's end: bert's 3 splits of its position
+    table took its step's peak 1 MiB over Inductor's, run 82)."""
+    bv, bd, bn = 64, max(16, min(64, next_pow2(d))), 64
+    tiles = cdiv(v, bv) * cdiv(d, bd)
+    split = max(1, min(cdiv(2 * NUM_SMS, tiles), cdiv(n, 4 * bn), EMBEDDING_PARTIAL_BYTES // max(1, v * d * 4)))
+    chunk = cdiv(cdiv(n, split), bn) * bn
+    return EmbeddingGradPlan(bv, bd, bn, cdiv(n, chunk) if n else 1, chunk)

@@ -51,7 +51,7 @@ from triton.runtime.jit import JITFunction
 
 from . import indexing as ix
 from .dtypes import interpreted
-from .graph import computed_from, meta
+from .graph import OWN_CALL, computed_from, meta
 from .plan import TensorSig, block_plan
 from .region import Region, persistent_at
 
@@ -758,12 +758,13 @@ def call_directly(op) -> None:
 
 
 def fast_calls(graph) -> int:
-    """Eager ops of the wrapper called through their public bindings (above); returns how many.  The
+    """Eager ops of the wrapper called through their public bindings (above), or through the function an
+    op-family module gave the node (graph.OWN_CALL); returns how many.  The
     last pass on a graph: its targets are then no longer OpOverloads (no schema, no purity to read)."""
     done = 0
     for n in graph.nodes:
-        if n.op == "call_function" and n.target in _BINDINGS:
-            n.target = _BINDINGS[n.target]
+        if n.op == "call_function" and (n.meta.get(OWN_CALL) is not None or n.target in _BINDINGS):
+            n.target = n.meta.get(OWN_CALL) or _BINDINGS[n.target]
             done += 1
     return done
 

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.fx as fx
 
-from .cost import NUM_SMS
+from .plan import NUM_SMS
 from .graph import OWN_KERNEL, replaced
 from .ops import reduction_dims
 from .region import COLUMN_MIN_WIDTH

@@ -49,7 +49,9 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     # with the runtime; ops.py finds the op by its name, so nothing below imports it.
     ("dropout op", ("fuser.dropout",), False),
     ("pipeline", ("fuser.pipeline",), False),
-    ("fold, padding, split, gqa", ("fuser.fold", "fuser.padding", "fuser.split", "fuser.gqa"), True),
+    # graph passes before the partition; fuser.embedding also holds the function its marked nodes call
+    ("fold, padding, split, gqa, embedding", ("fuser.fold", "fuser.padding", "fuser.split", "fuser.gqa",
+                                              "fuser.embedding"), True),
     ("patterns/", ("fuser.patterns", "fuser.patterns.*"), True),
     ("partition", ("fuser.partition",), False),
     ("codegen/", ("fuser.codegen", "fuser.codegen.*"), True),
