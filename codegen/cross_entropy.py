@@ -17,10 +17,11 @@ from fuser import ops
 from fuser.dtypes import TL_DTYPE, convert
 from fuser.plan import next_pow2
 
-__all__ = ["GRAD_KERNEL", "KERNEL", "prepare", "prepare_grad", "row_source"]
+__all__ = ["GRAD_KERNEL", "KERNEL", "TARGETS_KERNEL", "prepare", "prepare_grad", "prepare_targets", "row_source"]
 
 KERNEL = "cross_entropy_rows"
 GRAD_KERNEL = "cross_entropy_grad"
+TARGETS_KERNEL = "cross_entropy_targets"
 
 
 def row_source(dtype: torch.dtype) -> str:
@@ -127,6 +128,29 @@ def {GRAD_KERNEL}(LOGITS, stride, UPSTREAM, up_stride, OUT, out_stride, TARGET, 
         tl.store(dst + cols, {store_real}, mask=ok)
     if CHECK:
         tl.store(ROWSUM + row, total)
+
+
+@triton.jit
+def {TARGETS_KERNEL}(TARGET, N, V, ignore_index, KEPT, SCALE, OK, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    # one program over all N targets: the rows kept (target != ignore_index), the reduction's factor on the
+    # gradient (1 / max(kept, 1) for "mean", else 1) and whether every kept target lies in [0, V); one
+    # launch where torch's ops took a dozen (a comparison, a sum, a clamp... each its own kernel)
+    offs = tl.arange(0, BLOCK)
+    kept = tl.zeros([BLOCK], tl.int64)
+    bad = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, N, BLOCK):
+        rows = start + offs
+        t = tl.load(TARGET + rows, mask=rows < N, other=ignore_index)
+        k = t != ignore_index
+        kept += k.to(tl.int64)
+        bad += (k & ((t < 0) | (t >= V))).to(tl.int32)
+    n = tl.sum(kept, 0)
+    tl.store(KEPT, n)
+    if MEAN:
+        tl.store(SCALE, 1.0 / tl.maximum(n, 1).to(tl.float32))
+    else:
+        tl.store(SCALE, 1.0)
+    tl.store(OK, tl.sum(bad, 0) == 0)
 '''
 
 
@@ -178,3 +202,13 @@ def prepare_grad(logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, 
             row_sums if row_sums is not None else lse, n_classes, first, out.shape[1], int(ignore_index),
             float(label_smoothing))
     return (logits.shape[0],), args, dict(meta, HAS_UPSTREAM=upstream is not None, CHECK=row_sums is not None)
+
+
+def prepare_targets(target: torch.Tensor, n_classes: int, ignore_index: int, kept: torch.Tensor, scale: torch.Tensor,
+                    ok: torch.Tensor, *, mean: bool):
+    """Host side of `cross_entropy_targets`: target [N] int64 contiguous; kept (0-d int64), scale (0-d fp32)
+    and ok (0-d bool) written."""
+    if target.dtype != torch.int64 or target.dim() != 1 or target.stride(0) != 1:
+        raise ValueError("cross_entropy_targets: wants contiguous [N] int64 targets")
+    args = (target, target.shape[0], n_classes, int(ignore_index), kept, scale, ok)
+    return (1,), args, dict(MEAN=mean, BLOCK=1024 if target.is_cuda else 256, num_warps=4)

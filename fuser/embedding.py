@@ -12,6 +12,8 @@ is wrong in bf16).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx as fx
 
@@ -31,30 +33,37 @@ def embedding_dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weig
                              scale_grad_by_freq: bool) -> torch.Tensor:
     """aten.embedding_dense_backward's value, by our kernels: the [num_weights, D] sum of the gradient
     rows of each index, rows whose index is padding_idx left out."""
-    if scale_grad_by_freq:  # `lower` never routes these here; a direct call gets eager's
-        return aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, True)
-    d = grad.shape[-1]
-    g2 = grad.reshape(-1, d)
+    d, n = grad.shape[-1], indices.numel()
+    if not _ours(grad, n, num_weights, d) or scale_grad_by_freq:  # `lower` routes none of these here
+        return aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    out = grad.new_empty(num_weights, d)
+    if n == 0:
+        return out.zero_()
+    g2 = grad.reshape(n, d)
     g2 = g2 if g2.stride(-1) == 1 or d == 1 else g2.contiguous()
     idx = indices.reshape(-1).contiguous()
-    n = idx.numel()
-    out = grad.new_empty(num_weights, d)
-    if n == 0 or out.numel() == 0:
-        return out.zero_()
     plan = embedding_grad_plan(n, num_weights, d)
     device = grad.device.type
     with dtypes.target(device):
         src = source(grad.dtype)
-    if plan.split == 1:
-        grid, args, meta = prepare(g2, idx, out, num_weights, padding_idx, plan, partial=False)
+    with torch.cuda.device(grad.device) if grad.is_cuda else contextlib.nullcontext():  # launches go to the current one
+        if plan.split == 1:
+            grid, args, meta = prepare(g2, idx, out, num_weights, padding_idx, plan, partial=False)
+            launch(src, KERNEL, grid, args, meta, device)
+            return out
+        part = grad.new_empty(plan.split, num_weights, d, dtype=torch.float32)
+        grid, args, meta = prepare(g2, idx, part, num_weights, padding_idx, plan, partial=True)
         launch(src, KERNEL, grid, args, meta, device)
-        return out
-    part = grad.new_empty(plan.split, num_weights, d, dtype=torch.float32)
-    grid, args, meta = prepare(g2, idx, part, num_weights, padding_idx, plan, partial=True)
-    launch(src, KERNEL, grid, args, meta, device)
-    grid, args, meta = prepare_sum(part, out)
-    launch(src, SUM_KERNEL, grid, args, meta, device)
+        grid, args, meta = prepare_sum(part, out)
+        launch(src, SUM_KERNEL, grid, args, meta, device)
     return out
+
+
+def _ours(grad: torch.Tensor, n: int, v: int, d: int) -> bool:
+    """What the kernels take: a float gradient on CUDA (on CPU, not bf16: the interpreter's tl.dot is wrong
+    there), a table with rows and columns, offsets within int32 (n * D, V * D)."""
+    device_ok = grad.device.type == "cuda" or (grad.device.type == "cpu" and grad.dtype != torch.bfloat16)
+    return grad.dtype in DTYPES and device_ok and v > 0 and d > 0 and n * d < 2**31 and v * d < 2**31
 
 
 def lower(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
@@ -78,13 +87,13 @@ def _taken(n: fx.Node) -> str | None:
     g, i = grad.meta.get("val"), indices.meta.get("val")
     if scale or not isinstance(g, torch.Tensor) or not isinstance(i, torch.Tensor) or not isinstance(num_weights, int):
         return None
-    if g.dtype not in DTYPES or i.dtype not in (torch.int32, torch.int64) or num_weights > MAX_ROWS:
+    if i.dtype not in (torch.int32, torch.int64) or num_weights > MAX_ROWS or g.dim() == 0:
         return None
-    if g.device.type not in ("cuda", "cpu") or (g.device.type == "cpu" and g.dtype == torch.bfloat16):
-        return None
-    if not all(isinstance(s, int) for s in (*g.shape, *i.shape)) or g.dim() == 0:
+    if not all(isinstance(s, int) for s in (*g.shape, *i.shape)):
         return None
     rows, d = i.numel(), g.shape[-1]
+    if not _ours(g, rows, num_weights, d):
+        return None
     ours, eager = embedding_grad_times(rows, num_weights, d, g.element_size())
     if ours >= eager:
         return None

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from fuser.codegen.cross_entropy import GRAD_KERNEL, KERNEL, prepare, prepare_grad, row_source
+from fuser.codegen.cross_entropy import GRAD_KERNEL, KERNEL, TARGETS_KERNEL, prepare, prepare_grad, prepare_targets, row_source
 
 from . import dtypes
 from .plan import next_pow2
@@ -88,26 +88,22 @@ def _check(x, weight, bias, target, label_smoothing: float, reduction: str, chun
         raise ValueError(f"linear_cross_entropy: chunk_rows={chunk_rows}, want at least 1 (or None: the rule)")
 
 
-def _kept_rows(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
-    """Rows whose target is not ignore_index, counted once over all N rows (the "mean" divisor), a
-    0-d tensor on the device: no host sync.  A kept target outside [0, V) raises, as eager does: on
-    CPU an IndexError before any kernel runs; on CUDA, like eager's nll_loss, a device-side assert
-    (asynchronous: waiting for the check would stall the step)."""
-    kept = target != ignore_index
-    bad = kept & ((target < 0) | (target >= n_classes))
-    if target.is_cuda:
-        torch._assert_async(~bad.any(), f"linear_cross_entropy: a target is out of bounds for {n_classes} classes")
-    elif bad.any():
-        raise IndexError(f"linear_cross_entropy: target {int(target[bad][0])} is out of bounds for {n_classes} "
-                         f"classes ({int(bad.sum())} such row(s); ignore_index is {ignore_index})")
-    return kept.sum()
-
-
 def _scale_of(t: torch.Tensor, n_classes: int, ignore_index: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kept rows, the reduction's factor on the gradient), both 0-d on the device."""
-    n_kept = _kept_rows(t, n_classes, ignore_index)
-    # "mean" divides by the kept rows of the whole batch; with none kept, no row reads the scale
-    scale = n_kept.clamp_min(1).float().reciprocal() if reduction == "mean" else t.new_ones((), dtype=torch.float32)
+    """(rows whose target is not ignore_index over all N rows, the reduction's factor on the gradient: 1 / those
+    rows for "mean", else 1), both 0-d on the device: no host sync; one kernel (cross_entropy_targets).  A kept
+    target outside [0, V) raises, as eager does: on CPU an IndexError before any other kernel runs; on CUDA,
+    like eager's nll_loss, a device-side assert (asynchronous: waiting for the check would stall the step)."""
+    n_kept, scale = t.new_empty((), dtype=torch.int64), t.new_empty((), dtype=torch.float32)
+    ok = t.new_empty((), dtype=torch.bool)
+    grid, args, meta = prepare_targets(t, n_classes, ignore_index, n_kept, scale, ok, mean=reduction == "mean")
+    launch(_source(torch.float32, t.device.type), TARGETS_KERNEL, grid, args, meta, t.device.type)
+    if t.is_cuda:
+        torch._assert_async(ok, f"linear_cross_entropy: a target is out of bounds for {n_classes} classes")
+    elif not ok:
+        kept = t != ignore_index
+        bad = kept & ((t < 0) | (t >= n_classes))
+        raise IndexError(f"linear_cross_entropy: target {int(t[bad][0])} is out of bounds for {n_classes} "
+                         f"classes ({int(bad.sum())} such row(s); ignore_index is {ignore_index})")
     return n_kept, scale
 
 

@@ -28,10 +28,12 @@ ALONE_MARGIN = 1.25  # a lone op runs as our kernel only where the model has it 
 
 class Partitioner:
     def __init__(self, graph: fx.Graph, supported: Callable[[fx.Node], bool] | None = None,
-                 cg: ComputeGraph | None = None, sealed: frozenset = frozenset(), first_id: int = 0):
+                 cg: ComputeGraph | None = None, sealed: frozenset = frozenset(), first_id: int = 0,
+                 apart: frozenset = frozenset()):
         self.cg = cg or ComputeGraph(graph)
         self.supported = supported or (lambda n: True)
         self.sealed, self.first_id = sealed, first_id  # first_id: the id of the first region made
+        self.apart = apart  # nodes of a region codegen refused: no sibling joins their groups (the pipeline)
         self.dag = nx.DiGraph()
         for n in self.cg.nodes:
             if self.cg.is_compute(n) or n.op in ("placeholder", "get_attr", "output"):
@@ -205,24 +207,31 @@ class Partitioner:
         gradient, vit's step ran 8 eager GELUs in run 66; a LayerNorm recomputed for a weight's
         gradient beside the LayerNorm's gradient), or one that reads a tensor of the same producing
         group (a launch fewer: a LayerNorm's weight and bias gradients, two column sums over the
-        gradient kernel's outputs).  Horizontal fusion: the two share no path (try_merge's cycle test).
-        Groups over symbolic sizes: a lone pointwise op only (a merged pair of spaces there made index
-        math codegen could not print: `Mod`, a decode graph over the cache length, CUDA run 77)."""
+        gradient kernel's outputs).  Horizontal fusion: the two share no path (try_merge's cycle test),
+        and run on one device.  Groups over symbolic sizes: a lone pointwise op only (a merged pair of
+        spaces there made index math codegen could not print: `Mod`, a decode graph over the cache length,
+        CUDA run 77).  A merged region codegen refuses (an argmax over rows too long, joined to a sum)
+        costs its groups their fusion: the pipeline partitions again with its nodes `apart`."""
         for gid in list(self.members):
             nodes = self.members.get(gid)
-            if nodes is None:
+            if nodes is None or nodes & self.apart:
                 continue
             compute = [n for n in nodes if n.target is not operator.getitem]
             lone = len(compute) == 1 and isinstance(self.cg.info[compute[0]], ops.Pointwise)
             static = _static(nodes)
             if not (lone or static):
                 continue
-            inputs = {x for n in nodes for x in self.cg.data_inputs(n) if x not in nodes}
+            # a 0-d CPU scalar is read on any device: not a tie between groups
+            inputs = {x for n in nodes for x in self.cg.data_inputs(n) if x not in nodes and not _cpu_scalar(x)}
             producers = {self.group[x] for x in inputs if x in self.group}
             near = inputs | {m for p in producers for m in self.members.get(p, ())} if static else inputs
             siblings = sorted({self.group.get(c) for x in near for c in self.cg.consumers(x)} - {gid, None} - producers)
             for other in siblings:
-                if other in self.members and (lone or _static(self.members[other])) and self.try_merge(other, gid):
+                theirs = self.members.get(other)
+                if theirs is None or theirs & self.apart or not (lone or _static(theirs)) \
+                        or _devices(theirs) != _devices(nodes):
+                    continue
+                if self.try_merge(other, gid):
                     break
 
     def unfused(self, regions) -> list[tuple[fx.Node, str]]:
@@ -237,6 +246,15 @@ class Partitioner:
                 n, "not supported by the support predicate" if not self.supported(n) else "left out")
             out.append((n, reason))
         return out
+
+
+def _cpu_scalar(n) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu"
+
+
+def _devices(nodes) -> set:
+    return {v.device for n in nodes if isinstance(v := n.meta.get("val"), torch.Tensor) and not _cpu_scalar(n)}
 
 
 def _static(nodes) -> bool:

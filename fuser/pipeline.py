@@ -146,12 +146,14 @@ def _emit_regions(gm, cg, taken: set):
     reason or codegen's."""
     emitted: dict = {}  # frozenset of nodes -> (region, kernel, cost) or the CodegenError
     sealed: frozenset = frozenset()
+    apart: frozenset = frozenset()  # nodes of refused regions: no sibling joins them in the next pass
     first_id = 0
     for last in [False] * (MAX_PASSES - 1) + [True]:
-        part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg, sealed=sealed, first_id=first_id)
+        part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg, sealed=sealed, first_id=first_id,
+                           apart=apart)
         regions = part.partition()
         first_id += len(regions)
-        out, seal = [], set()
+        out, seal, refused = [], set(), set()
         for region in regions:
             key = frozenset(region.nodes)
             if key not in emitted:
@@ -168,9 +170,11 @@ def _emit_regions(gm, cg, taken: set):
                 seal.add(hit.node)
             else:
                 part.reasons.update((n, f"codegen: {hit}") for n in region.nodes)
-        if not seal:
+                if not last and not set(region.nodes) <= apart:  # a sibling's merge may have cost it: once
+                    refused |= set(region.nodes)  # more without sibling merges for these nodes
+        if not seal and not refused:
             return part, out
-        sealed |= seal
+        sealed, apart = sealed | seal, apart | refused
 
 
 def _attention_kernel(att, cg, name: str) -> AttentionKernel:

@@ -113,9 +113,8 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None
     graph.eliminate_dead_code()
     exact = ours | {n for n in graph.nodes if n.meta.get("folded") or _contiguous_by_construction(n)}
     fast_views(graph, exact)
-    for call, k in calls.items():  # a kernel checks the inputs whose layout the graph does not fix
-        k.checked = tuple(i for i, a in enumerate(call.args[:len(k.in_sigs)])
-                          if a not in exact and not (a.target is reinterpret and a.args[0] in exact))
+    for call, k in calls.items():  # a kernel checks the inputs whose layout (and 16-byte alignment) the graph does not fix
+        k.checked = tuple(i for i, a in enumerate(call.args[:len(k.in_sigs)]) if not _fixed(a, exact))
     in_place = write_outputs_in_place(graph, allocations)
     reuse_buffers(graph, allocations & set(graph.nodes))
     new = fx.GraphModule(gm, graph)
@@ -130,6 +129,18 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None
 # which the fake tensors follow, and their kernels allocate it so): a view of one needs no layout check
 _NEW_CONTIGUOUS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                    torch.ops.aten.baddbmm.default}
+
+
+def _fixed(a, exact: set) -> bool:
+    """Whether tensor `a`'s layout and 16-byte alignment are the traced ones by construction: a buffer of the
+    wrapper, an eager matmul's result, or a view of one at an offset of a multiple of 16 bytes (a split's
+    second piece may start anywhere: its pointer is checked, as the compiled kernel assumes alignment)."""
+    if a in exact:
+        return True
+    if a.target is not reinterpret or a.args[0] not in exact:
+        return False
+    v = a.meta.get("val")
+    return isinstance(v, torch.Tensor) and a.args[3] * v.element_size() % 16 == 0
 
 
 def _contiguous_by_construction(n) -> bool:

@@ -120,3 +120,26 @@ def test_bf16_on_cpu_and_scaled_by_frequency_stay_eager():
     fuser.fuse(bf16)(ids).float().square().mean().backward()
     reports = fuser.reports()[before:]
     assert not [n for r in reports for n in r.notes if n.startswith("embedding gradients as our kernel")]
+
+
+def test_an_empty_table_stays_with_eager(device):
+    """A table of width 0 (or no rows): eager's result, and the rest of the graph still fused."""
+    torch.manual_seed(0)
+    assert embedding_dense_backward(torch.randn(3, 0, device=device), torch.zeros(3, dtype=torch.long, device=device),
+                                    10, -1, False).shape == (10, 0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.empty, self.proj = nn.Embedding(10, 0), nn.Linear(8, 8)
+
+        def forward(self, ids, x):
+            return nn.functional.gelu(self.proj(x)).sum() + self.empty(ids).sum()
+
+    model = Model().to(device)
+    ids, x = torch.randint(0, 10, (4,), device=device), torch.randn(4, 8, device=device)
+    before = len(fuser.reports())
+    fuser.fuse(model)(ids, x).backward()
+    reports = fuser.reports()[before:]
+    assert not [r.fallback for r in reports if r.fallback], [r.fallback for r in reports]
+    assert any(r.regions for r in reports if any("backward graph" in n for n in r.notes))

@@ -307,3 +307,58 @@ def test_a_recomputed_op_joins_the_sibling_that_reads_its_input():
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
     backward = [r for r in fuser.reports()[before:] if any("backward graph" in n for n in r.notes)]
     assert backward and not [u for r in backward for u in r.unfused if "gelu" in u.op], [r.unfused for r in backward]
+
+
+@pytest.mark.parametrize("second", ["cuda:1", "cpu"])
+def test_siblings_on_two_devices_stay_apart(second):
+    """Two groups that read one 0-d CPU scalar (readable on any device) are not siblings across devices: one
+    kernel runs on one device (partition only, on fake tensors: no GPU needed)."""
+    def f(a, b, s):
+        return torch.exp(torch.sin(a) * s), torch.exp(torch.cos(b) * s)
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = [torch.empty(64, 64, device="cuda:0"), torch.empty(64, 64, device=second), torch.empty((), device="cpu")]
+        gm = make_fx(f, decomposition_table=decompositions())(*args)
+    regions = Partitioner(gm.graph).partition()
+    assert len(regions) == 2
+    for r in regions:
+        assert len({n.meta["val"].device for n in r.nodes}) == 1, [n.name for n in r.nodes]
+
+
+def test_a_sibling_merge_codegen_refuses_gives_back_the_groups_fusion(device):
+    """exp + sum over rows, beside an argmax over the same rows, too long for codegen's argmax: the merged
+    region is refused, and the pipeline partitions again without sibling merges for those nodes, so exp + sum
+    is still one kernel (and the argmax eager), as before horizontal fusion."""
+    def f(x):
+        return torch.exp(x).sum(-1), torch.argmax(x, -1)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 20000, device=device)
+    before = len(fuser.reports())
+    got = fuser.fuse(f)(x)
+    want = f(x)
+    assert_close_to_eager(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    (report,) = fuser.reports()[before:]
+    assert [{o.split(".")[1] for o in r.ops} for r in report.regions] == [{"exp", "sum"}], report
+    assert [u.op for u in report.unfused] == ["aten.argmax.default"]
+
+
+def test_a_view_of_a_matmul_at_an_unaligned_offset_is_checked(device):
+    """A split's second piece of a matmul's result starts 24 bytes in: the kernel reading it checks it (its
+    pointer's alignment, which the compiled kernel's fast path assumes), while the piece at offset 0 is trusted."""
+    from fuser.runtime import RegionKernel
+
+    def f(x, w):
+        a, b = (x @ w).split([1, 4], dim=0)
+        return torch.tanh(b) * 2 + 1, torch.tanh(a) * 3 + 1
+
+    from fuser import backend
+
+    graphs = []
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 3, device=device), torch.randn(3, 6, device=device)
+    compiled = torch.compile(f, backend=backend.make_backend(lambda report, gm: graphs.append(gm)))
+    assert_close_to_eager(compiled(x, w), f(x, w))
+    kernels = {m.in_sigs[0].shape: m for g in graphs for m in g.modules() if isinstance(m, RegionKernel)}
+    assert kernels[(4, 6)].checked == (0,) and kernels[(1, 6)].checked == (), kernels
