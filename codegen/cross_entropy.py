@@ -131,7 +131,7 @@ def {GRAD_KERNEL}(LOGITS, stride, UPSTREAM, up_stride, OUT, out_stride, TARGET, 
 
 
 @triton.jit
-def {TARGETS_KERNEL}(TARGET, N, V, ignore_index, KEPT, SCALE, OK, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+def {TARGETS_KERNEL}(TARGET, stride, N, V, ignore_index, KEPT, SCALE, OK, MEAN: tl.constexpr, BLOCK: tl.constexpr):
     # one program over all N targets: the rows kept (target != ignore_index), the reduction's factor on the
     # gradient (1 / max(kept, 1) for "mean", else 1) and whether every kept target lies in [0, V); one
     # launch where torch's ops took a dozen (a comparison, a sum, a clamp... each its own kernel)
@@ -140,7 +140,7 @@ def {TARGETS_KERNEL}(TARGET, N, V, ignore_index, KEPT, SCALE, OK, MEAN: tl.const
     bad = tl.zeros([BLOCK], tl.int32)
     for start in range(0, N, BLOCK):
         rows = start + offs
-        t = tl.load(TARGET + rows, mask=rows < N, other=ignore_index)
+        t = tl.load(TARGET + rows * stride, mask=rows < N, other=ignore_index)
         k = t != ignore_index
         kept += k.to(tl.int64)
         bad += (k & ((t < 0) | (t >= V))).to(tl.int32)
@@ -206,9 +206,10 @@ def prepare_grad(logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, 
 
 def prepare_targets(target: torch.Tensor, n_classes: int, ignore_index: int, kept: torch.Tensor, scale: torch.Tensor,
                     ok: torch.Tensor, *, mean: bool):
-    """Host side of `cross_entropy_targets`: target [N] int64 contiguous; kept (0-d int64), scale (0-d fp32)
-    and ok (0-d bool) written."""
-    if target.dtype != torch.int64 or target.dim() != 1 or target.stride(0) != 1:
-        raise ValueError("cross_entropy_targets: wants contiguous [N] int64 targets")
-    args = (target, target.shape[0], n_classes, int(ignore_index), kept, scale, ok)
+    """Host side of `cross_entropy_targets`: target [N] int64, any stride (torch's contiguous() keeps a
+    one-row target's stride: `labels[:, -1]` of a batch of one); kept (0-d int64), scale (0-d fp32) and ok
+    (0-d bool) written."""
+    if target.dtype != torch.int64 or target.dim() != 1:
+        raise ValueError("cross_entropy_targets: wants [N] int64 targets")
+    args = (target, target.stride(0), target.shape[0], n_classes, int(ignore_index), kept, scale, ok)
     return (1,), args, dict(MEAN=mean, BLOCK=1024 if target.is_cuda else 256, num_warps=4)

@@ -106,6 +106,15 @@ def test_leading_dims(device):
     assert gx.shape == (3, 7, D)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_strided_targets(rows, device):
+    """Targets taken as a column of a wider tensor (`labels[:, -1]`, the last token's): torch's contiguous()
+    keeps a one-row tensor's stride, which the target checks read through."""
+    x, w, b, _ = _inputs(device, torch.float32, n=rows, v=300)
+    labels = torch.randint(0, 300, (rows, 3), device=device)
+    _compare(x, w, labels[:, -1], b, reduction="sum")
+
+
 def test_strided_x(device):
     """x a transposed view (column-major [N, D]): the matmuls take it as it is."""
     x, w, b, t = _inputs(device, torch.float32, v=300)
