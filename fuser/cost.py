@@ -15,7 +15,7 @@ import torch
 
 from . import indexing as ix
 from . import ops
-from .graph import ComputeGraph, is_generator, meta, numel
+from .graph import ComputeGraph, cpu_scalar, is_generator, meta, numel
 from .plan import NUM_SMS, block_plan, embedding_grad_plan  # one place picks block sizes
 from .region import Region
 
@@ -99,7 +99,7 @@ def eager_slow_path(cg: ComputeGraph, n) -> bool:
     total = cg.sizes.hint(numel(n))
     for a in cg.data_inputs(n):
         v = meta(a)
-        if not isinstance(v, torch.Tensor) or (v.dim() == 0 and v.device.type == "cpu") or is_generator(a):
+        if not isinstance(v, torch.Tensor) or cpu_scalar(v) or is_generator(a):
             continue
         if cg.sizes.hint(cg.read_elems(n, a)) < total:
             return True

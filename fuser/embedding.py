@@ -21,7 +21,7 @@ from fuser.codegen.embedding import DTYPES, KERNEL, SUM_KERNEL, prepare, prepare
 
 from . import dtypes
 from .cost import embedding_grad_times
-from .graph import OWN_CALL
+from .graph import OWN_CALL, meta, static_shape
 from .plan import embedding_grad_plan
 from .runtime import launch
 
@@ -48,14 +48,14 @@ def embedding_dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weig
         src = source(grad.dtype)
     with torch.cuda.device(grad.device) if grad.is_cuda else contextlib.nullcontext():  # launches go to the current one
         if plan.split == 1:
-            grid, args, meta = prepare(g2, idx, out, num_weights, padding_idx, plan, partial=False)
-            launch(src, KERNEL, grid, args, meta, device)
+            grid, args, config = prepare(g2, idx, out, num_weights, padding_idx, plan, partial=False)
+            launch(src, KERNEL, grid, args, config, device)
             return out
         part = grad.new_empty(plan.split, num_weights, d, dtype=torch.float32)
-        grid, args, meta = prepare(g2, idx, part, num_weights, padding_idx, plan, partial=True)
-        launch(src, KERNEL, grid, args, meta, device)
-        grid, args, meta = prepare_sum(part, out)
-        launch(src, SUM_KERNEL, grid, args, meta, device)
+        grid, args, config = prepare(g2, idx, part, num_weights, padding_idx, plan, partial=True)
+        launch(src, KERNEL, grid, args, config, device)
+        grid, args, config = prepare_sum(part, out)
+        launch(src, SUM_KERNEL, grid, args, config, device)
     return out
 
 
@@ -84,12 +84,12 @@ def _taken(n: fx.Node) -> str | None:
     if n.kwargs or len(n.args) != 5:
         return None
     grad, indices, num_weights, _, scale = n.args
-    g, i = grad.meta.get("val"), indices.meta.get("val")
-    if scale or not isinstance(g, torch.Tensor) or not isinstance(i, torch.Tensor) or not isinstance(num_weights, int):
+    g, i = meta(grad), meta(indices)
+    if scale or g is None or i is None or not isinstance(num_weights, int):
         return None
     if i.dtype not in (torch.int32, torch.int64) or num_weights > MAX_ROWS or g.dim() == 0:
         return None
-    if not all(isinstance(s, int) for s in (*g.shape, *i.shape)):
+    if not (static_shape(g) and static_shape(i)):
         return None
     rows, d = i.numel(), g.shape[-1]
     if not _ours(g, rows, num_weights, d):

@@ -40,6 +40,16 @@ def is_tensor(n) -> bool:
     return meta(n) is not None
 
 
+def static_shape(t: torch.Tensor) -> bool:
+    """Every size an int (none of Dynamo's size symbols)."""
+    return all(isinstance(s, int) for s in t.shape)
+
+
+def cpu_scalar(t) -> bool:
+    """A 0-d CPU tensor: eager and our kernels read it as a number, on any device."""
+    return isinstance(t, torch.Tensor) and t.dim() == 0 and t.device.type == "cpu"
+
+
 def computed_from(nodes, source: fx.Node) -> bool:
     """Is any of `nodes` `source` or computed from it (through any nodes)?"""
     stack, seen = list(nodes), set()

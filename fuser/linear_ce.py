@@ -88,15 +88,17 @@ def _check(x, weight, bias, target, label_smoothing: float, reduction: str, chun
         raise ValueError(f"linear_cross_entropy: chunk_rows={chunk_rows}, want at least 1 (or None: the rule)")
 
 
-def _scale_of(t: torch.Tensor, n_classes: int, ignore_index: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_of(t: torch.Tensor, n_classes: int, ignore_index: int, reduction: str,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows whose target is not ignore_index over all N rows, the reduction's factor on the gradient: 1 / those
     rows for "mean", else 1), both 0-d on the device: no host sync; one kernel (cross_entropy_targets).  A kept
     target outside [0, V) raises, as eager does: on CPU an IndexError before any other kernel runs; on CUDA,
-    like eager's nll_loss, a device-side assert (asynchronous: waiting for the check would stall the step)."""
+    like eager's nll_loss, a device-side assert (asynchronous: waiting for the check would stall the step).
+    `dtype`: the logits' (the kernel shares their source module)."""
     n_kept, scale = t.new_empty((), dtype=torch.int64), t.new_empty((), dtype=torch.float32)
     ok = t.new_empty((), dtype=torch.bool)
     grid, args, meta = prepare_targets(t, n_classes, ignore_index, n_kept, scale, ok, mean=reduction == "mean")
-    launch(_source(torch.float32, t.device.type), TARGETS_KERNEL, grid, args, meta, t.device.type)
+    launch(_source(dtype, t.device.type), TARGETS_KERNEL, grid, args, meta, t.device.type)
     if t.is_cuda:
         torch._assert_async(ok, f"linear_cross_entropy: a target is out of bounds for {n_classes} classes")
     elif not ok:
@@ -185,7 +187,7 @@ def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     n_classes, dim = weight.shape
     x2, t = x.reshape(-1, dim), target.reshape(-1).contiguous()  # the matmuls take any strides
     n = x2.shape[0]
-    n_kept, scale = _scale_of(t, n_classes, ignore_index, reduction)
+    n_kept, scale = _scale_of(t, n_classes, ignore_index, reduction, x.dtype)
     source = _source(x.dtype, x.device.type)
     row_loss = x.new_empty(n, dtype=torch.float32)
     lse = x.new_empty(n, dtype=torch.float32)
@@ -265,7 +267,7 @@ def linear_cross_entropy_logits_op(x: torch.Tensor, weight: torch.Tensor, bias: 
     n_classes, dim = weight.shape
     x2, t = x.reshape(-1, dim), target.reshape(-1).contiguous()
     n = x2.shape[0]
-    n_kept, scale = _scale_of(t, n_classes, ignore_index, reduction)
+    n_kept, scale = _scale_of(t, n_classes, ignore_index, reduction, x.dtype)
     wp, bp = _padded(weight, bias)
     if wp is weight:
         logits = _linear(x2, weight, bias, x.new_empty(n, n_classes))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph import replaced
+from .graph import replaced, static_shape
 
 aten = torch.ops.aten
 ALIGN_BYTES = 16
@@ -71,7 +71,7 @@ def _padded_width(n: fx.Node) -> int | None:
     v = n.meta.get("val")
     if not isinstance(v, torch.Tensor) or v.device.type not in DEVICES or v.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
-    if not all(isinstance(s, int) for s in v.shape):
+    if not static_shape(v):
         return None
     (rows, cols), k = v.shape, n.args[-1].meta["val"].shape[0] if isinstance(n.args[-1], fx.Node) else 0
     per = ALIGN_BYTES // v.element_size()

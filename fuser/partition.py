@@ -14,12 +14,11 @@ import operator
 from typing import Callable
 
 import networkx as nx
-import torch
 import torch.fx as fx
 
 from . import ops
 from .cost import Cost, eager_slow_path, eager_time, region_cost
-from .graph import OWN_KERNEL, ComputeGraph, is_size
+from .graph import OWN_KERNEL, ComputeGraph, cpu_scalar, is_size, meta, static_shape
 from .region import Region, analyze, reduction_space
 
 
@@ -222,7 +221,7 @@ class Partitioner:
             if not (lone or static):
                 continue
             # a 0-d CPU scalar is read on any device: not a tie between groups
-            inputs = {x for n in nodes for x in self.cg.data_inputs(n) if x not in nodes and not _cpu_scalar(x)}
+            inputs = {x for n in nodes for x in self.cg.data_inputs(n) if x not in nodes and not cpu_scalar(meta(x))}
             producers = {self.group[x] for x in inputs if x in self.group}
             near = inputs | {m for p in producers for m in self.members.get(p, ())} if static else inputs
             siblings = sorted({self.group.get(c) for x in near for c in self.cg.consumers(x)} - {gid, None} - producers)
@@ -248,19 +247,13 @@ class Partitioner:
         return out
 
 
-def _cpu_scalar(n) -> bool:
-    v = n.meta.get("val")
-    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu"
-
-
 def _devices(nodes) -> set:
-    return {v.device for n in nodes if isinstance(v := n.meta.get("val"), torch.Tensor) and not _cpu_scalar(n)}
+    return {v.device for n in nodes if (v := meta(n)) is not None and not cpu_scalar(v)}
 
 
 def _static(nodes) -> bool:
     """Every tensor of `nodes` has int sizes."""
-    return all(all(isinstance(d, int) for d in v.shape) for n in nodes
-               if isinstance(v := n.meta.get("val"), torch.Tensor))
+    return all(static_shape(v) for n in nodes if (v := meta(n)) is not None)
 
 
 def _forced(a: set, b: set) -> bool:

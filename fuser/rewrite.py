@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from . import indexing as ix
+from .graph import meta, static_shape
 from .runtime import allocator, fast_views, reinterpret, reuse_buffers, write_outputs_in_place
 
 
@@ -139,11 +140,10 @@ def _fixed(a, exact: set) -> bool:
         return True
     if a.target is not reinterpret or a.args[0] not in exact:
         return False
-    v = a.meta.get("val")
-    return isinstance(v, torch.Tensor) and a.args[3] * v.element_size() % 16 == 0
+    v = meta(a)
+    return v is not None and a.args[3] * v.element_size() % 16 == 0
 
 
 def _contiguous_by_construction(n) -> bool:
-    v = n.meta.get("val")
-    return n.target in _NEW_CONTIGUOUS and isinstance(v, torch.Tensor) and v.is_contiguous() \
-        and all(isinstance(x, int) for x in v.shape)
+    v = meta(n)
+    return n.target in _NEW_CONTIGUOUS and v is not None and v.is_contiguous() and static_shape(v)

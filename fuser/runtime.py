@@ -763,8 +763,8 @@ def fast_calls(graph) -> int:
     last pass on a graph: its targets are then no longer OpOverloads (no schema, no purity to read)."""
     done = 0
     for n in graph.nodes:
-        if n.op == "call_function" and (n.meta.get(OWN_CALL) is not None or n.target in _BINDINGS):
-            n.target = n.meta.get(OWN_CALL) or _BINDINGS[n.target]
+        if n.op == "call_function" and (call := n.meta.get(OWN_CALL) or _BINDINGS.get(n.target)) is not None:
+            n.target = call
             done += 1
     return done
 

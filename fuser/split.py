@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .plan import NUM_SMS
-from .graph import OWN_KERNEL, replaced
+from .graph import OWN_KERNEL, replaced, static_shape
 from .ops import reduction_dims
 from .region import COLUMN_MIN_WIDTH
 
@@ -70,7 +70,7 @@ def _parts(n: fx.Node) -> int | None:
         return None
     if not out.dtype.is_floating_point or out.dtype == torch.float64 or n.kwargs.get("dtype") not in (None, out.dtype):
         return None
-    if not all(isinstance(s, int) for s in xv.shape) or not xv.is_contiguous():
+    if not static_shape(xv) or not xv.is_contiguous():
         return None
     dims = reduction_dims(n)
     if dims != tuple(range(len(dims))) or len(dims) == xv.dim() or xv.shape[-1] < COLUMN_MIN_WIDTH:
