@@ -15,7 +15,7 @@ import torch
 
 from . import indexing as ix
 from . import ops
-from .graph import ComputeGraph, cpu_scalar, is_generator, meta, numel
+from .graph import ComputeGraph, cpu_scalar, is_generator, meta, numel, operands
 from .plan import NUM_SMS, block_plan, embedding_grad_plan  # one place picks block sizes
 from .region import Region
 
@@ -24,8 +24,11 @@ LAUNCH_S = 4e-6            # one eager kernel launch (and its gap) on a GPU
 # eager's elementwise kernel leaves TensorIterator's vectorised path when an operand is broadcast or
 # of another dtype than the result: measured at 0.39-0.57x of a copy's bandwidth (H100, bf16
 # [32000, 2048]: times a 0-d fp32 CUDA tensor 1131 GB/s, a row-broadcast bias 1532, .float() 1923,
-# a same-dtype product 2919; bench/notes.md, run 38)
+# a same-dtype product 2919; bench/notes.md, run 38); or laid out otherwise than the result: GQA's
+# repeated K and V and the attention gradients made contiguous moved 216 MB in 245 us (H200, run 84:
+# 0.88 TB/s against a 4.27 TB/s copy)
 EAGER_SLOW_PATH = 0.5
+EAGER_STRIDED = 0.25
 
 
 def tensor_bytes(n, elems=None) -> sympy.Expr:
@@ -89,28 +92,55 @@ def region_cost(region: Region) -> Cost:
 
 
 def eager_slow_path(cg: ComputeGraph, n) -> bool:
-    """A pointwise op whose eager kernel is not vectorised: a tensor operand broadcast to the
-    result's shape, or a float operand cast to the float result's dtype.  Not slow: a 0-d CPU tensor
-    (passed as a scalar), a generator (no read), an operand whose dtype the op's signature fixes
-    (where's and masked_fill's bool condition, a comparison's operands, integer indices)."""
+    return eager_bandwidth(cg, n) < 1.0
+
+
+def eager_bandwidth(cg: ComputeGraph, n) -> float:
+    """The share of a copy's bandwidth eager's kernel for a pointwise op or a copy reaches: less where
+    it is not vectorised, for a tensor operand broadcast to the result's shape, cast from another
+    float dtype, or laid out otherwise than the result (permuted, sliced, expanded).  Not slow: a
+    0-d CPU tensor (passed as a scalar), a generator (no read), an operand whose dtype the op's
+    signature fixes (where's and masked_fill's bool condition, a comparison's operands, indices)."""
     out = meta(n)
-    if not isinstance(cg.info.get(n), ops.Pointwise) or not isinstance(out, torch.Tensor):
-        return False
+    if not (isinstance(cg.info.get(n), ops.Pointwise) or is_copy(cg, n)) or not isinstance(out, torch.Tensor):
+        return 1.0
+    read = [o for o in operands(n) if isinstance(meta(o), torch.Tensor) and not cpu_scalar(meta(o)) and not is_generator(o)]
+    if any(_other_layout(cg, meta(o), out) for o in read):
+        return EAGER_STRIDED
     total = cg.sizes.hint(numel(n))
     for a in cg.data_inputs(n):
         v = meta(a)
         if not isinstance(v, torch.Tensor) or cpu_scalar(v) or is_generator(a):
             continue
         if cg.sizes.hint(cg.read_elems(n, a)) < total:
-            return True
+            return EAGER_SLOW_PATH
         if v.dtype != out.dtype and v.dtype.is_floating_point and out.dtype.is_floating_point:
-            return True
-    return False
+            return EAGER_SLOW_PATH
+    return 1.0
+
+
+def is_copy(cg: ComputeGraph, n) -> bool:
+    """A layout op eager runs as an elementwise copy of one same-shape operand (clone, contiguous())."""
+    kind, args = cg.info.get(n), [o for o in operands(n) if isinstance(meta(o), torch.Tensor)]
+    return isinstance(kind, ops.Layout) and kind.copies and not kind.indirect and len(args) == 1 \
+        and ix.shape_of(meta(args[0])) == ix.shape_of(meta(n))
+
+
+def _other_layout(cg: ComputeGraph, v: torch.Tensor, out: torch.Tensor) -> bool:
+    """An operand of the result's shape whose strides differ from the result's on a dimension of more
+    than one element (sizes at their hints): TensorIterator cannot iterate both as one flat run."""
+    if v.layout != torch.strided or v.dim() != out.dim():
+        return False
+    hint = cg.sizes.hint
+    shape = [hint(s) for s in ix.shape_of(out)]
+    if [hint(s) for s in ix.shape_of(v)] != shape:
+        return False
+    return any(size > 1 and hint(a) != hint(b) for size, a, b in zip(shape, ix.stride_of(v), ix.stride_of(out)))
 
 
 def eager_time(cg: ComputeGraph, n) -> float:
     b, launches = eager_cost(cg, n)
-    bandwidth = HBM_BYTES_PER_S * (EAGER_SLOW_PATH if eager_slow_path(cg, n) else 1.0)
+    bandwidth = HBM_BYTES_PER_S * eager_bandwidth(cg, n)
     return cg.sizes.hint(b) / bandwidth + launches * LAUNCH_S
 
 

@@ -34,6 +34,8 @@ def embedding_dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weig
     """aten.embedding_dense_backward's value, by our kernels: the [num_weights, D] sum of the gradient
     rows of each index, rows whose index is padding_idx left out."""
     d, n = grad.shape[-1], indices.numel()
+    if num_weights == 0 or d == 0:  # nothing to sum: eager's CUDA kernel reads past a [V, 0] table (illegal access)
+        return grad.new_zeros(num_weights, d)
     if not _ours(grad, n, num_weights, d) or scale_grad_by_freq:  # `lower` routes none of these here
         return aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     out = grad.new_empty(num_weights, d)
@@ -92,6 +94,8 @@ def _taken(n: fx.Node) -> str | None:
     if not (static_shape(g) and static_shape(i)):
         return None
     rows, d = i.numel(), g.shape[-1]
+    if num_weights == 0 or d == 0:
+        return f"{n.name}: an empty [{num_weights}, {d}] table's gradient, no kernel (eager's CUDA kernel reads past it)"
     if not _ours(g, rows, num_weights, d):
         return None
     ours, eager = embedding_grad_times(rows, num_weights, d, g.element_size())

@@ -403,6 +403,15 @@ class TritonPrinter(StrPrinter):
         inner = self._operand(a) if p == 1 else f"({self._operand(a)} // {self._operand(p)})"
         return f"({inner} % {self._operand(m)})"
 
+    def _print_Mod(self, e):
+        """sympy's Mod takes the divisor's sign (as Python's `%`); Triton's `%` the dividend's (as C's):
+        the same where the dividend is non-negative and the divisor positive (index math over sizes)."""
+        a, m = e.args
+        plain = f"({self._operand(a)} % {self._operand(m)})"
+        if a.is_nonnegative and m.is_positive:
+            return plain
+        return f"(({plain} + {self._operand(m)}) % {self._operand(m)})"
+
     def _print_Max(self, e):
         return self._fold("tl.maximum", e.args)
 
@@ -432,6 +441,9 @@ class PythonPrinter(TritonPrinter):
 
     def _print_Pow(self, e):
         return StrPrinter._print_Pow(self, e)
+
+    def _print_Mod(self, e):  # Python's `%` is sympy's Mod
+        return f"({self._operand(e.args[0])} % {self._operand(e.args[1])})"
 
     def _print_Max(self, e):
         return f"max({', '.join(self._print(a) for a in e.args)})"

@@ -179,10 +179,11 @@ class Partitioner:
         return regions
 
     def pays_alone(self, n) -> bool:
-        """A lone pointwise op that our kernel runs faster than eager's by the model, with a margin
-        for the launch: where eager's kernel is not vectorised (a broadcast or cast operand, at the
-        sizes where bandwidth counts: grad_weight times the loss's 0-d fp32 gradient, 232 us eager)."""
-        if not isinstance(self.cg.info[n], ops.Pointwise) or not eager_slow_path(self.cg, n):
+        """A lone pointwise op or copy that our kernel runs faster than eager's by the model, with a
+        margin for the launch: where eager's kernel is not vectorised (a broadcast, cast or permuted
+        operand, at the sizes where bandwidth counts: grad_weight times the loss's 0-d fp32 gradient,
+        232 us eager; GQA's repeated K and V)."""
+        if not eager_slow_path(self.cg, n):
             return False
         region = self.region({n})
         return region is not None and self.cost(region).time_fused() * ALONE_MARGIN < self.eager(n)

@@ -26,7 +26,7 @@ from .embedding import lower as lower_embedding_grads
 from .fold import fold_constants
 from .gqa import share_kv_heads
 from .padding import pad_matmuls
-from .split import split_column_sums
+from .split import split_column_sums, unroll_small_sums
 from .graph import ComputeGraph, meta, replaced, shape
 from .runtime import AttentionKernel, RegionKernel, fast_calls, run_attention, write_inputs_in_place
 from .partition import Partitioner
@@ -67,6 +67,9 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
             why = not_sdpa.get(a.out, "dropout, or operands on several devices")
             report.notes.append(f"attention at {a.out.name} left to its ops (not SDPA, not our kernel): {why}")
     taken = {n for a in attentions for n in a.nodes}
+    unrolled = unroll_small_sums(gm, taken)
+    if unrolled:
+        cg = ComputeGraph(gm.graph)
     units, kernels, dropped = [], [], []
     hints = dict(cg.sizes.hints)
     bound, made = {}, {}
@@ -112,6 +115,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         report.notes.append(f"matmuls with unaligned widths padded: {', '.join(padded)}")
     if split:
         report.notes.append(f"column sums split to fill the GPU: {'; '.join(split)}")
+    if unrolled:
+        report.notes.append(f"small sums as adds (fused where read at other positions): {'; '.join(unrolled)}")
     if embedding_grads:
         report.notes.append(f"embedding gradients as our kernel: {'; '.join(embedding_grads.values())}")
     new = rewrite(gm, units, kernels, bound) if units else gm

@@ -7,16 +7,23 @@ each and writes [S, D] partials in fp32; the second sums those (a few KiB) and r
 single sum does.  Inductor splits such reductions the same way (its split reductions); here the split
 is a graph rewrite, so the partition fuses the prologue into the first sum and the cast into the second.
 Only where the sizes are static and the row count has a divisor near the wanted split.
+
+The other way round, a sum over a few elements (at most 8 a result) becomes that many adds, in fp32 and
+rounded once, as eager's sum: pointwise, it fuses with consumers that read it at other positions, where a
+reduction ends its kernel (GQA's key gradient, summed over the 4 query heads that shared it, is read by
+RoPE's gradient at the rotated half; eager ran 8 such sums a llama step, run 84).  Inductor unrolls the
+same way (unroll_reductions_threshold = 8).
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 import torch.fx as fx
 
 from .plan import NUM_SMS
-from .graph import OWN_KERNEL, replaced, static_shape
+from .graph import OWN_KERNEL, fake_mode_of, insert, replaced, static_shape
 from .ops import reduction_dims
 from .region import COLUMN_MIN_WIDTH
 
@@ -82,3 +89,44 @@ def _parts(n: fx.Node) -> int | None:
         return None
     parts = next((s for s in range(wanted, 1, -1) if rows % s == 0), 1)
     return parts if parts * 4 >= wanted else None
+
+
+UNROLL = 8  # elements a result at most, as Inductor's unroll_reductions_threshold
+
+
+def unroll_small_sums(gm: fx.GraphModule, keep: set) -> list[str]:
+    """Rewrites gm's float sums over at most UNROLL elements a result (static reduced sizes) as adds, but
+    those in `keep` (a recognised attention's softmax); returns a line per sum for the report."""
+    notes, mode = [], None
+    for n in list(gm.graph.nodes):
+        if n in keep or n.op != "call_function" or n.target is not aten.sum.dim_IntList:
+            continue
+        x, out = n.args[0], n.meta.get("val")
+        xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not isinstance(xv, torch.Tensor) or not isinstance(out, torch.Tensor) or xv.dim() == 0 \
+                or not xv.dtype.is_floating_point or not out.dtype.is_floating_point:
+            continue
+        dims = reduction_dims(n)
+        sizes = [xv.shape[d] for d in dims]
+        if not all(isinstance(s, int) for s in sizes) or not 2 <= math.prod(sizes) <= UNROLL:
+            continue
+        mode = mode or fake_mode_of(gm.graph)
+        acc = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
+        total = None
+        for at in itertools.product(*(range(s) for s in sizes)):
+            part = x
+            for d, i in sorted(zip(dims, at), reverse=True):  # the last dim first: the others keep their numbers
+                part = insert(gm.graph, n, mode, aten.select.int, part, d, i)
+            if part.meta["val"].dtype != acc:
+                part = insert(gm.graph, n, mode, prims.convert_element_type.default, part, acc)
+            total = part if total is None else insert(gm.graph, n, mode, aten.add.Tensor, total, part)
+        if total.meta["val"].dtype != out.dtype:
+            total = insert(gm.graph, n, mode, prims.convert_element_type.default, total, out.dtype)
+        total = insert(gm.graph, n, mode, aten.view.default, total, list(out.shape))  # keepdim's dims of 1
+        n.replace_all_uses_with(total)
+        gm.graph.erase_node(n)
+        notes.append(f"{n.name}: {math.prod(sizes)} elements a result")
+    if notes:
+        gm.graph.lint()
+        gm.recompile()
+    return notes

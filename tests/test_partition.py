@@ -169,8 +169,9 @@ def test_a_reduction_read_at_other_rows_ends_its_kernel(dtype, device):
     rotation reads the sum half a row away, which one kernel cannot serve.  The sum ends its kernel
     and the rotation's ops are fused without it, not all left to eager with the region."""
     g = torch.Generator().manual_seed(0)
-    # [B, KVH, n_rep, S, D], not contiguous (S and n_rep swapped in memory)
-    x = torch.randn(3, 2, 7, 3, 10, generator=g).to(dtype).to(device).transpose(2, 3)
+    # [B, KVH, n_rep, S, D], not contiguous (S and n_rep swapped in memory); 9 heads: a sum over at most
+    # 8 is unrolled into adds (decompositions.small_sum), which fuse (the next test)
+    x = torch.randn(3, 2, 7, 9, 10, generator=g).to(dtype).to(device).transpose(2, 3)
     cos, sin = (torch.randn(7, 10, generator=g).to(dtype).to(device) for _ in range(2))
 
     def layer(x, cos, sin):  # the gradient of k * cos + rotate_half(k) * sin, as AOT Autograd writes it
@@ -197,6 +198,41 @@ def test_a_reduction_read_at_other_rows_ends_its_kernel(dtype, device):
     if dtype == torch.float32:
         assert sum("slice_scatter" in " ".join(r.ops) for r in report.regions) == 2, report.regions
         assert any({"aten.tanh.default", "aten.sum.dim_IntList"} <= set(r.ops) for r in report.regions), report.regions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sum_over_a_few_heads_fuses_with_a_consumer_that_reads_it_at_other_rows(dtype, device):
+    """GQA's key gradient summed over its 4 repeated heads, read by RoPE's rotation half a row away:
+    the sum becomes 4 adds in fp32, rounded once, and the whole gradient is one kernel."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 7, 4, 10, generator=g).to(dtype).to(device).transpose(2, 3)  # [B, KVH, 4, S, D]
+    cos, sin = (torch.randn(7, 10, generator=g).to(dtype).to(device) for _ in range(2))
+
+    def fn(x, cos, sin):
+        k = x.sum(2)
+        t = k * sin
+        z = torch.zeros_like(t)
+        rot = torch.slice_scatter(z, -t[..., :5], -1, 5) + torch.slice_scatter(z, t[..., 5:], -1, 0, 5)
+        return (rot + k * cos).transpose(1, 2).contiguous()
+
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(x, cos, sin), fn(x.double(), cos.double(), sin.double()).to(dtype))
+    assert len(fused.report.regions) == 1 and not fused.report.unfused, fused.report
+    assert "aten.sum.dim_IntList" not in fused.report.regions[0].ops
+
+
+@pytest.mark.parametrize("dims, keepdim", [((1,), True), ((-2,), False), ((0, 2), False), ((0, 1), True)])
+def test_small_sums_unrolled_match_eager(dims, keepdim, device):
+    """Sums over at most 8 elements, any dims, kept or dropped, in 16 bits and 32: eager's result (fp32
+    accumulation, one rounding), NaN and Inf included."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(2, 4, 3, 213, generator=g).to(dtype).to(device)
+        x[0, 1, 2, 5], x[1, 0, 1, 7] = float("nan"), float("inf")
+        fn = lambda x: x.sum(dims, keepdim=keepdim).tanh()  # noqa: E731
+        fused = fuser.fuse(fn)
+        assert_close_to_eager(fused(x), fn(x))
+        assert "aten.sum.dim_IntList" not in " ".join(op for r in fused.report.regions for op in r.ops)
 
 
 def _partition(fn, *specs):
@@ -233,6 +269,21 @@ def test_a_lone_op_on_eagers_fast_path_stays_eager(case):
                  "compare": (lambda a, b: a < b, [(big, bf16), (big, bf16)]),
                  "ints": (lambda a: a != -100, [(big, torch.int64)])}[case]
     regions, part = _partition(fn, *specs)
+    assert regions == [] and "alone" in next(iter(part.reasons.values()))
+
+
+@pytest.mark.parametrize("case", ["transpose", "repeat_kv", "slice"])
+def test_a_lone_copy_from_another_layout_runs_as_our_kernel(case):
+    """Eager copies a permuted, expanded or sliced tensor with its non-vectorised kernel (~0.2x of a
+    copy's bandwidth: GQA's repeated K and V, run 84): large, such a copy runs as our kernel; a copy of
+    a contiguous tensor stays eager."""
+    bf16 = torch.bfloat16
+    fn, spec = {"transpose": (lambda x: x.transpose(1, 2).contiguous(), (4, 512, 16, 128)),
+                "repeat_kv": (lambda x: x[:, :, None].expand(4, 4, 4, 512, 128).reshape(4, 16, 512, 128), (4, 4, 512, 128)),
+                "slice": (lambda x: x[:, :1024].contiguous(), (4096, 2048))}[case]
+    regions, _ = _partition(fn, (spec, bf16))
+    assert len(regions) == 1 and names(regions[0]) == {"clone"}
+    regions, part = _partition(lambda x: x.clone(), ((4, 512, 16, 128), bf16))
     assert regions == [] and "alone" in next(iter(part.reasons.values()))
 
 
@@ -312,7 +363,10 @@ def test_a_recomputed_op_joins_the_sibling_that_reads_its_input():
 @pytest.mark.parametrize("second", ["cuda:1", "cpu"])
 def test_siblings_on_two_devices_stay_apart(second):
     """Two groups that read one 0-d CPU scalar (readable on any device) are not siblings across devices: one
-    kernel runs on one device (partition only, on fake tensors: no GPU needed)."""
+    kernel runs on one device (partition only, on fake tensors: no GPU needed; on a machine with one GPU, fake
+    tensors refuse a second)."""
+    if second == "cuda:1" and torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("one GPU: fake tensors check the device index against the real devices")
     def f(a, b, s):
         return torch.exp(torch.sin(a) * s), torch.exp(torch.cos(b) * s)
 
