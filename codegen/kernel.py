@@ -231,25 +231,19 @@ class KernelWriter:
         return self._layout(n, kind, idx, cond)
 
     def _gather(self, n, idx, cond) -> str:
-        """out[i] = src[i with dim -> index[...]] (gather, index_select, indexing by one tensor): the
+        """out[i] = src[i with dim -> index[...]] (gather, index_select, embedding; indexing: _index): the
         index is loaded (or computed, as for torch's roll), then names a symbol in the source's index
         math.  An index out of range raises, as in eager; the load is masked by it, so no lane ever
-        reads outside the source.  Indexing (`x[t]`) takes negative indices from the end, as eager."""
+        reads outside the source."""
+        if n.target.overloadpacket is aten.index:
+            return self._index(n, idx, cond)
         src, dim, index, at, span = ops.gather_parts(n)
         index_idx = tuple(idx) if span is None else tuple(idx[at:at + span])
-        iv = self.value(index, index_idx, cond)
-        if interpreting():  # an index loaded as a scalar (a [1, 1] tensor of token ids): the interpreter's
-            iv = self.new(f"tl.where(xmask, {iv}, {iv})", self.dtypes[iv])  # 0-d bools are int32, no load mask
+        iv = self._load_index(index, index_idx, cond)
         size = shape(src)[dim]
-        if n.target.overloadpacket is aten.index:
-            valid = f"({iv} >= -{ix.texpr(size)}) & ({iv} < {ix.texpr(size)})"
-            self._check(ops.Check(valid, f"index out of bounds for dimension {dim} with size {size}"), cond)
-            iv = self.new(f"tl.where({iv} < 0, {iv} + {ix.texpr(size)}, {iv})", self.dtypes[iv])
         valid = f"({iv} >= 0) & ({iv} < {ix.texpr(size)})"
-        if n.target.overloadpacket is not aten.index:
-            self._check(ops.Check(valid, f"gather: index out of bounds for dimension {dim} with size {size}"), cond)
-        sym = sympy.Symbol(f"g{len(self.aliases)}", integer=True, nonnegative=True)
-        self.aliases[sym], self.ranges[sym] = sympy.Symbol(iv), size
+        self._check(ops.Check(valid, f"gather: index out of bounds for dimension {dim} with size {size}"), cond)
+        sym = self._index_symbol(iv, size)
         if span is None:
             src_idx = tuple(sym if d == dim else i for d, i in enumerate(idx))
         else:
@@ -257,6 +251,40 @@ class KernelWriter:
         v = self.value(src, src_idx, f"({cond}) & {valid}" if cond else valid)
         cdt = compute_dtype(meta(n).dtype)
         return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
+
+    def _index(self, n, idx, cond) -> str:
+        """x[i, j, ...] by integer tensors at some dims (ops.index_parts): each index loaded at the
+        broadcast position of the output's index, taken from the end where negative (as eager), out of
+        range raising; the dims not indexed follow in order."""
+        src, given, at, span = ops.index_parts(n)
+        out_b, b_shape = tuple(idx[at:at + span]), shape(n)[at:at + span]
+        rest = iter((*idx[:at], *idx[at + span:]))
+        syms, valid = {}, []
+        for dim, index in given:
+            iv = self._load_index(index, ix.broadcast_index(out_b, b_shape, shape(index)), cond)
+            size = ix.texpr(shape(src)[dim])
+            ok = f"({iv} >= -{size}) & ({iv} < {size})"
+            self._check(ops.Check(ok, f"index out of bounds for dimension {dim} with size {shape(src)[dim]}"), cond)
+            iv = self.new(f"tl.where({iv} < 0, {iv} + {size}, {iv})", self.dtypes[iv])
+            valid.append(f"({iv} >= 0) & ({iv} < {size})")
+            syms[dim] = self._index_symbol(iv, shape(src)[dim])
+        src_idx = tuple(syms[d] if d in syms else next(rest) for d in range(len(shape(src))))
+        inside = " & ".join(valid)
+        v = self.value(src, src_idx, f"({cond}) & {inside}" if cond else inside)
+        cdt = compute_dtype(meta(n).dtype)
+        return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
+
+    def _load_index(self, index, index_idx, cond) -> str:
+        iv = self.value(index, index_idx, cond)
+        if interpreting():  # an index loaded as a scalar (a [1, 1] tensor of token ids): the interpreter's
+            iv = self.new(f"tl.where(xmask, {iv}, {iv})", self.dtypes[iv])  # 0-d bools are int32, no load mask
+        return iv
+
+    def _index_symbol(self, iv: str, size):
+        """A symbol standing for the loaded index `iv` in the source's index math, in [0, size)."""
+        sym = sympy.Symbol(f"g{len(self.aliases)}", integer=True, nonnegative=True)
+        self.aliases[sym], self.ranges[sym] = sympy.Symbol(iv), size
+        return sym
 
     def _check(self, check: ops.Check, cond):
         """Eager raises where `check.cond` fails on a live lane.  Compiled (GPU): a device-side

@@ -79,4 +79,3 @@ def copy(dst, src, non_blocking=False):
     """Functional `dst.copy_(src)` (InstanceNorm's running-stat update): src cast and broadcast to
     dst's shape, index math plus a cast.  torch has no decomposition of it (Inductor lowers it)."""
     return src.to(dtype=dst.dtype, device=dst.device).expand(dst.shape).clone()
-

@@ -776,19 +776,24 @@ def _pad(node, idx, ranges):
     return [(src, tuple(out), tuple(conds))], value
 
 
+def index_parts(node) -> tuple:
+    """(source, [(dim, index node)], where the indices' dims sit in the output, how many) of x[indices]:
+    integer index tensors at some dims, broadcast together; their dims replace the indexed ones where
+    those are adjacent, else lead the output (numpy's rule: x[:, i, :, j] is [*broadcast(i, j), ...])."""
+    given = [(d, t) for d, t in enumerate(node.args[1]) if t is not None]
+    dims = [d for d, _ in given]
+    span = max(t.meta["val"].dim() for _, t in given)
+    return node.args[0], given, dims[0] if dims == list(range(dims[0], dims[-1] + 1)) else 0, span
+
+
 def gather_parts(node):
     """(source, dim, index node, where the index sits in the output's dims, how many dims it spans)
-    of a gather-like node: gather's index has the output's shape; index_select's is 1-D at `dim`;
-    `x[..., t, ...]` (one integer index tensor at position p) puts t's dims in place of dim p, and
-    embedding(weight, t) is weight[t]."""
+    of a gather-like node but indexing (index_parts): gather's index has the output's shape;
+    index_select's is 1-D at `dim`; embedding(weight, t) is weight[t]."""
     packet = node.target.overloadpacket
     src = node.args[0]
     if packet is aten.embedding:  # weight[indices]: the indices' dims, then the row's
         return src, 0, node.args[1], 0, node.args[1].meta["val"].dim()
-    if packet is aten.index:
-        p = next(i for i, t in enumerate(node.args[1]) if t is not None)
-        index = node.args[1][p]
-        return src, p, index, p, index.meta["val"].dim()
     dim = node.args[1] % max(len(_shape(src)), 1)
     if packet is aten.gather:
         return src, dim, node.args[2], 0, None
@@ -831,8 +836,8 @@ LAYOUT = {
     aten.constant_pad_nd: L(_pad, copies=True),
     aten.slice_scatter: L(_slice_scatter, copies=True),
     # gathers: index_select (torch's roll decomposes to it, with an index computed from arange),
-    # indexing by one integer tensor (a relative-position-bias table) and embedding (token ids); the
-    # index is loaded or computed in the kernel (see the codegen's _gather)
+    # indexing by integer tensors (a relative-position-bias table; a mask by batch and position) and
+    # embedding (token ids); the index is loaded or computed in the kernel (see the codegen's _gather)
     aten.gather: L(None, copies=True, indirect=True),
     aten.index_select: L(None, copies=True, indirect=True),
     aten.index: L(None, copies=True, indirect=True),
@@ -913,8 +918,9 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     packet = getattr(target, "overloadpacket", None)
     if packet in OPAQUE:
         return Opaque(OPAQUE[packet])
-    if packet is aten.index and not _one_integer_index(node):
-        return Opaque("indexing by several tensors or by a mask: a gather left to eager")
+    if packet is aten.index and not _integer_indices(node):
+        return Opaque("indexing by a mask (a gather of a data-dependent size), or by several tensors one of them "
+                      "0-d (torch's fake tensors shape it otherwise than eager): left to eager")
     for table in (POINTWISE, LAYOUT, REDUCTION):
         if packet in table:
             return table[packet]
@@ -923,11 +929,13 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     return Opaque(f"no Triton lowering for {target}")
 
 
-def _one_integer_index(node) -> bool:
+def _integer_indices(node) -> bool:
     indices = node.args[1] if len(node.args) > 1 else ()
     given = [t for t in indices if t is not None]
-    return (len(given) == 1 and isinstance(given[0], torch.fx.Node)
-            and given[0].meta["val"].dtype in (torch.int64, torch.int32))
+    # several with a 0-d one: torch's fake tensors give such an index another shape than eager's
+    return bool(given) and all(isinstance(t, torch.fx.Node) and isinstance(t.meta.get("val"), torch.Tensor)
+                               and t.meta["val"].dtype in (torch.int64, torch.int32)
+                               and (len(given) == 1 or t.meta["val"].dim() > 0) for t in given)
 
 
 def op_name(node) -> str:

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from .plan import NUM_SMS
+from . import indexing as ix
 from .graph import OWN_KERNEL, fake_mode_of, insert, replaced, static_shape
 from .ops import reduction_dims
 from .region import COLUMN_MIN_WIDTH
@@ -96,10 +97,12 @@ UNROLL = 8  # elements a result at most, as Inductor's unroll_reductions_thresho
 
 def unroll_small_sums(gm: fx.GraphModule, keep: set) -> list[str]:
     """Rewrites gm's float sums over at most UNROLL elements a result (static reduced sizes) as adds, but
-    those in `keep` (a recognised attention's softmax); returns a line per sum for the report."""
+    those in `keep` (a recognised attention's softmax) and the split sums' second stage; returns a line
+    per sum for the report.  As eager's: fp32 adds from +0 (a sum of -0.0 is +0.0), rounded once, the
+    result laid out as eager's (contiguous: a copy where the input's other dims are permuted)."""
     notes, mode = [], None
     for n in list(gm.graph.nodes):
-        if n in keep or n.op != "call_function" or n.target is not aten.sum.dim_IntList:
+        if n in keep or n.op != "call_function" or n.target is not aten.sum.dim_IntList or n.meta.get(OWN_KERNEL):
             continue
         x, out = n.args[0], n.meta.get("val")
         xv = x.meta.get("val") if isinstance(x, fx.Node) else None
@@ -112,17 +115,28 @@ def unroll_small_sums(gm: fx.GraphModule, keep: set) -> list[str]:
             continue
         mode = mode or fake_mode_of(gm.graph)
         acc = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
+
+        def add(*args, target=aten.add.Tensor):
+            return insert(gm.graph, n, mode, target, *args)
+
         total = None
         for at in itertools.product(*(range(s) for s in sizes)):
             part = x
             for d, i in sorted(zip(dims, at), reverse=True):  # the last dim first: the others keep their numbers
-                part = insert(gm.graph, n, mode, aten.select.int, part, d, i)
+                part = add(part, d, i, target=aten.select.int)
             if part.meta["val"].dtype != acc:
-                part = insert(gm.graph, n, mode, prims.convert_element_type.default, part, acc)
-            total = part if total is None else insert(gm.graph, n, mode, aten.add.Tensor, total, part)
+                part = add(part, acc, target=prims.convert_element_type.default)
+            total = part if total is None else add(total, part)
+        total = add(total, 0.0)  # eager's sum starts from +0
         if total.meta["val"].dtype != out.dtype:
-            total = insert(gm.graph, n, mode, prims.convert_element_type.default, total, out.dtype)
-        total = insert(gm.graph, n, mode, aten.view.default, total, list(out.shape))  # keepdim's dims of 1
+            total = add(total, out.dtype, target=prims.convert_element_type.default)
+        keepdim = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+        for d in dims if keepdim else ():
+            total = add(total, d, target=aten.unsqueeze.default)
+        if not _same_layout(total.meta["val"], out):
+            total = insert(gm.graph, n, mode, aten.clone.default, total, memory_format=torch.contiguous_format)
+            if not _same_layout(total.meta["val"], out):
+                raise AssertionError(f"unroll_small_sums: {n.name}'s result is not laid out as eager's")
         n.replace_all_uses_with(total)
         gm.graph.erase_node(n)
         notes.append(f"{n.name}: {math.prod(sizes)} elements a result")
@@ -130,3 +144,10 @@ def unroll_small_sums(gm: fx.GraphModule, keep: set) -> list[str]:
         gm.graph.lint()
         gm.recompile()
     return notes
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, and the same strides on every dim of more than one element (as expressions: no guards)."""
+    shape = ix.shape_of(a)
+    return shape == ix.shape_of(b) and all(
+        size == 1 or sa == sb for size, sa, sb in zip(shape, ix.stride_of(a), ix.stride_of(b)))

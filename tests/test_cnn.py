@@ -274,7 +274,7 @@ def test_norm_training(device, name, layout):
     assert any(r.kind == "reduction" and "sum" in fused_ops_of(r) for r in back.regions)
     if name != "group_norm":  # GELU's gradient, viewed per (sample, channel), joins the norm's: one kernel
         assert "erf" in fused_ops_of(back.regions[0]) and "sum" in fused_ops_of(back.regions[0])
-        # the weight's and the bias's gradients (two sums over the 3 samples: adds, decompositions.small_sum)
+        # the weight's and the bias's gradients (two sums over the 3 samples: adds, split.unroll_small_sums)
         # share one kernel
         assert len(back.regions) <= 2 and (len(back.regions) == 1 or len(back.regions[-1].output_shapes) == 2), back
         assert not [u for u in back.unfused if "sum" in u.op or "add" in u.op], back.unfused

@@ -282,3 +282,20 @@ def test_decode_loop_with_a_dynamic_cache(arch, device):
     assert got == want
     assert len(_forward_graphs(before)) <= 3
     assert regions[0] > 0 and all(r > 0 for r in regions[1:]), regions  # prefill and every decode step
+
+
+def test_index_math_prints_a_modulo_with_pythons_sign():
+    """sympy's Mod (the divisor's sign, as Python's %) printed for Triton, whose % takes the dividend's: plain
+    where the dividend is non-negative, else corrected; the host's Python prints it as it is."""
+    import sympy
+    from fuser.indexing import pyexpr, texpr
+    x = sympy.Symbol("x", integer=True, nonnegative=True)
+    s = sympy.Symbol("s0", integer=True, positive=True)
+    y = sympy.Symbol("y", integer=True)
+    assert texpr(sympy.Mod(x + 3 * s, s + 1)) == "((3*s0 + x) % (s0 + 1))"
+    signed = texpr(sympy.Mod(y, s))
+    c_mod = lambda a, b: a - b * int(a / b)  # noqa: E731  C's %: truncation toward zero
+    for yv, sv in [(-7, 3), (7, 3), (-3, 3), (0, 5)]:
+        inner = c_mod(yv, sv)
+        assert signed == "(((y % s0) + s0) % s0)" and c_mod(inner + sv, sv) == yv % sv
+    assert pyexpr(sympy.Mod(y, s)) == "(y % s0)"

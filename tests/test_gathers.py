@@ -92,6 +92,59 @@ def test_embedding_is_a_gather_in_the_region_that_reads_it(dtype, device):
             fused(bad, wte, wpe)
 
 
+SEVERAL = {  # x [5, 7, 6, 9]; i [3, 1] in [-5, 5); j [4] in [0, 6); k [3, 4] in [-9, 9), int32
+    "adjacent": lambda x, i, j, k: (x[:, (i % 7), j] * 2).exp(),      # [5, 3, 4, 9]
+    "apart": lambda x, i, j, k: x[i, :, j].sin() + 1,                  # [3, 4, 7, 9]: a slice between
+    "three": lambda x, i, j, k: x[i, :, j, k] + 1,                     # [3, 4, 7]
+    "trailing": lambda x, i, j, k: x[..., j[:3].view(3, 1), k % 9].tanh(),  # [5, 7, 3, 4]: [3, 1] with [3, 4]
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SEVERAL)
+def test_indexing_by_several_tensors(case, dtype, device):
+    """x[i, j] by integer tensors broadcast together (Hugging Face's mask functions index a mask by batch
+    and position tensors): their dims replace the indexed dims where those are adjacent, lead the output
+    where a slice separates them; negative indices count from the end; int32 indices."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 7, 6, 9, generator=g).to(dtype).to(device)
+    i = torch.randint(-5, 5, (3, 1), generator=g).to(device)
+    j = torch.randint(0, 6, (4,), generator=g).to(device)
+    k = torch.randint(-9, 9, (3, 4), generator=g).int().to(device)
+    fn = SEVERAL[case]
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(x, i, j, k), fn(x, i, j, k))
+    assert "index" in fused_ops(fused.report) and not fused.report.unfused, fused.report
+    if device == "cpu":  # on CUDA an out-of-range index is a device-side assert, fatal to the process
+        bad = j.clone()
+        bad[2] = 6 if case != "adjacent" else 9
+        with pytest.raises((RuntimeError, IndexError), match="out of"):
+            fn(x, i, bad, k)
+        with pytest.raises(RuntimeError, match="out of"):
+            fused(x, i, bad, k)
+
+
+def test_a_causal_lm_builds_its_mask_in_one_kernel(device):
+    """A Hugging Face LLaMA's mask (batch and position tensors indexing a padding mask) is fused: no
+    indexing left to eager."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2)).to(device).eval()
+    ids = torch.randint(0, 97, (2, 11), device=device)
+    mask = torch.ones(2, 11, dtype=torch.long, device=device)
+    mask[1, :3] = 0  # left padding
+    before = len(fuser.reports())
+    with torch.no_grad():
+        got = torch.compile(model, backend="fuser")(input_ids=ids, attention_mask=mask).logits
+        want = model(input_ids=ids, attention_mask=mask).logits
+    assert_close_to_eager(got[mask.bool()], want[mask.bool()], scale=10)
+    reports = fuser.reports()[before:]
+    assert reports and not [u for r in reports for u in r.unfused if u.op.startswith("aten.index")], \
+        [u for r in reports for u in r.unfused]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_relative_position_bias_table_lookup(dtype, device):
     """`table[index].view(...).permute(...)` added to scores, as Swin and T5-style code writes it;

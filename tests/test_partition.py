@@ -170,7 +170,7 @@ def test_a_reduction_read_at_other_rows_ends_its_kernel(dtype, device):
     and the rotation's ops are fused without it, not all left to eager with the region."""
     g = torch.Generator().manual_seed(0)
     # [B, KVH, n_rep, S, D], not contiguous (S and n_rep swapped in memory); 9 heads: a sum over at most
-    # 8 is unrolled into adds (decompositions.small_sum), which fuse (the next test)
+    # 8 is unrolled into adds (split.unroll_small_sums), which fuse (the next test)
     x = torch.randn(3, 2, 7, 9, 10, generator=g).to(dtype).to(device).transpose(2, 3)
     cos, sin = (torch.randn(7, 10, generator=g).to(dtype).to(device) for _ in range(2))
 
@@ -231,8 +231,31 @@ def test_small_sums_unrolled_match_eager(dims, keepdim, device):
         x[0, 1, 2, 5], x[1, 0, 1, 7] = float("nan"), float("inf")
         fn = lambda x: x.sum(dims, keepdim=keepdim).tanh()  # noqa: E731
         fused = fuser.fuse(fn)
-        assert_close_to_eager(fused(x), fn(x))
-        assert "aten.sum.dim_IntList" not in " ".join(op for r in fused.report.regions for op in r.ops)
+        got, want = fused(x), fn(x)
+        assert_close_to_eager(got, want)
+        assert got.stride() == want.stride()
+        ops = [op for r in fused.report.regions for op in r.ops]
+        assert "aten.add.Tensor" in ops and "aten.sum.dim_IntList" not in ops and not fused.report.unfused, fused.report
+
+
+def test_small_sums_keep_eagers_layout_sign_and_sizes(device):
+    """A sum over 2 of a permuted tensor is laid out as eager's (contiguous), so a view of it left to eager
+    works; a sum of -0.0 is +0.0 (eager's starts from +0); over a dynamic batch, keepdim."""
+    x = torch.randn(6, 5, 2, device=device).permute(2, 1, 0)  # [2, 5, 6], not contiguous
+    w = torch.randn(30, 4, device=device)
+    fn = lambda x, w: x.sum(0).view(1, 30) @ w  # noqa: E731
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(x, w), fn(x, w))
+    assert not fused.report.fallback and "aten.sum.dim_IntList" not in " ".join(fused.report.regions[0].ops)
+    z = torch.full((4, 3), -0.0, device=device)
+    inv = fuser.fuse(lambda z: 1 / z.sum(1))
+    assert bool((inv(z) == float("inf")).all())
+    dyn = torch.compile(lambda x: x.sum(1, keepdim=True), backend="fuser", dynamic=True)
+    for b in (3, 5):
+        x = torch.randn(b, 4, 7, device=device)
+        got = dyn(x)
+        assert_close_to_eager(got, x.sum(1, keepdim=True))
+        assert not fuser.last_report().fallback
 
 
 def _partition(fn, *specs):
