@@ -208,28 +208,22 @@ class Partitioner:
         gradient beside the LayerNorm's gradient), or one that reads a tensor of the same producing
         group (a launch fewer: a LayerNorm's weight and bias gradients, two column sums over the
         gradient kernel's outputs).  Horizontal fusion: the two share no path (try_merge's cycle test),
-        and run on one device.  Groups over symbolic sizes: a lone pointwise op only (a merged pair of
-        spaces there made index math codegen could not print: `Mod`, a decode graph over the cache length,
-        CUDA run 77).  A merged region codegen refuses (an argmax over rows too long, joined to a sum)
-        costs its groups their fusion: the pipeline partitions again with its nodes `apart`."""
+        and run on one device.  Over symbolic sizes too (a merged pair of spaces there prints `Mod` in its
+        index math: CUDA run 77 met it before the printer knew it).  A merged region codegen refuses (an
+        argmax over rows too long, joined to a sum) costs its groups their fusion: the pipeline
+        partitions again with its nodes `apart`."""
         for gid in list(self.members):
             nodes = self.members.get(gid)
             if nodes is None or nodes & self.apart:
                 continue
-            compute = [n for n in nodes if n.target is not operator.getitem]
-            lone = len(compute) == 1 and isinstance(self.cg.info[compute[0]], ops.Pointwise)
-            static = _static(nodes)
-            if not (lone or static):
-                continue
             # a 0-d CPU scalar is read on any device: not a tie between groups
             inputs = {x for n in nodes for x in self.cg.data_inputs(n) if x not in nodes and not cpu_scalar(meta(x))}
             producers = {self.group[x] for x in inputs if x in self.group}
-            near = inputs | {m for p in producers for m in self.members.get(p, ())} if static else inputs
+            near = inputs | {m for p in producers for m in self.members.get(p, ())}
             siblings = sorted({self.group.get(c) for x in near for c in self.cg.consumers(x)} - {gid, None} - producers)
             for other in siblings:
                 theirs = self.members.get(other)
-                if theirs is None or theirs & self.apart or not (lone or _static(theirs)) \
-                        or _devices(theirs) != _devices(nodes):
+                if theirs is None or theirs & self.apart or _devices(theirs) != _devices(nodes):
                     continue
                 if self.try_merge(other, gid):
                     break

@@ -357,10 +357,12 @@ def test_no_cycle_through_a_size_read_off_a_region_member():
     assert not [r.fallback for r in fuser.reports()[-4:] if getattr(r, "fallback", None)]
 
 
-def test_a_recomputed_op_joins_the_sibling_that_reads_its_input():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_recomputed_op_joins_the_sibling_that_reads_its_input(dynamic):
     """The backward recomputes an MLP's GELU for the second linear's weight gradient (fuser's min-cut may)
     beside the GELU's own gradient, which reads the same activation: one kernel, not an eager GELU
-    left alone between matmuls (vit's step ran 8 eager GELUs, run 66); gradients match eager."""
+    left alone between matmuls (vit's step ran 8 eager GELUs, run 66); gradients match eager.  Over a
+    dynamic sequence length too, where the LayerNorm's weight and bias gradients also share a kernel."""
     class MLP(torch.nn.Module):
         def __init__(self, d=64, f=256):
             super().__init__()
@@ -371,16 +373,23 @@ def test_a_recomputed_op_joins_the_sibling_that_reads_its_input():
 
     torch.manual_seed(0)
     model = MLP()
-    x = torch.randn(3, 23, 64)
-    before = len(fuser.reports())
-    fuser.fuse(model)(x).backward()
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    model(x).backward()
-    for g, p in zip(got, model.parameters()):
-        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
-    backward = [r for r in fuser.reports()[before:] if any("backward graph" in n for n in r.notes)]
-    assert backward and not [u for r in backward for u in r.unfused if "gelu" in u.op], [r.unfused for r in backward]
+    compiled = torch.compile(model, backend="fuser", dynamic=dynamic)
+    for t in (23, 31) if dynamic else (23,):
+        x = torch.randn(3, t, 64)
+        before = len(fuser.reports())
+        compiled(x).backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).backward()
+        for g, p in zip(got, model.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+        model.zero_grad()
+        backward = [r for r in fuser.reports()[before:] if any("backward graph" in n for n in r.notes)]
+        assert not [u for r in backward for u in r.unfused if "gelu" in u.op], [r.unfused for r in backward]
+        assert not [r.fallback for r in fuser.reports()[before:] if r.fallback]
+    backward = [r for r in fuser.reports() if any("backward graph" in n for n in r.notes)][-1]
+    # the LayerNorm's weight and bias gradients, two column sums, in one kernel (beside its input's gradient)
+    assert any(r.ops.count("aten.sum.dim_IntList") >= 2 for r in backward.regions), backward
 
 
 @pytest.mark.parametrize("second", ["cuda:1", "cpu"])
