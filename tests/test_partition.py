@@ -346,15 +346,19 @@ def test_no_cycle_through_a_size_read_off_a_region_member():
     model = MLP()
     fused = fuser.fuse(model)
     for t in (9, 13):
-        x = torch.randn(2, t, 32)
-        fused(x).backward()
-        got = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
-        model(x).backward()
-        for g, p in zip(got, model.parameters()):
-            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
-        model.zero_grad()
+        _gradients_match_eager(fused, model, torch.randn(2, t, 32))
     assert not [r.fallback for r in fuser.reports()[-4:] if getattr(r, "fallback", None)]
+
+
+def _gradients_match_eager(compiled, model, x):
+    """A backward through `compiled` and one through `model` itself: the parameters' gradients agree."""
+    compiled(x).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+    model.zero_grad()
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -375,15 +379,8 @@ def test_a_recomputed_op_joins_the_sibling_that_reads_its_input(dynamic):
     model = MLP()
     compiled = torch.compile(model, backend="fuser", dynamic=dynamic)
     for t in (23, 31) if dynamic else (23,):
-        x = torch.randn(3, t, 64)
         before = len(fuser.reports())
-        compiled(x).backward()
-        got = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
-        model(x).backward()
-        for g, p in zip(got, model.parameters()):
-            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
-        model.zero_grad()
+        _gradients_match_eager(compiled, model, torch.randn(3, t, 64))
         backward = [r for r in fuser.reports()[before:] if any("backward graph" in n for n in r.notes)]
         assert not [u for r in backward for u in r.unfused if "gelu" in u.op], [r.unfused for r in backward]
         assert not [r.fallback for r in fuser.reports()[before:] if r.fallback]
