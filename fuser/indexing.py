@@ -18,7 +18,7 @@ from __future__ import annotations
 import sympy
 import torch
 from sympy.printing.str import StrPrinter
-from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+from torch.utils._sympy.functions import FloorDiv, IntTrueDiv, ModularIndexing
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
@@ -393,10 +393,19 @@ def size_symbols(*exprs) -> set:
 
 
 class TritonPrinter(StrPrinter):
-    """Prints index math as Triton/Python integer expressions."""
+    """Prints index math as Triton/Python integer expressions.  Every function by this printer's own
+    method (torch's FloorDiv prints itself with Python's `//` otherwise, which Triton reads as C's)."""
+    printmethod = "_fuser_print"
 
     def _print_FloorDiv(self, e):
-        return f"({self._operand(e.args[0])} // {self._operand(e.args[1])})"
+        """sympy's and Python's `//` floor; Triton's truncates toward zero (as C's): the same where the
+        numerator is non-negative and the divisor positive (index math over sizes), else corrected by
+        taking off the floor remainder first (a padded length -(-n // 8) * 8 over a symbolic n)."""
+        a, b = e.args
+        num, den = self._operand(a), self._operand(b)
+        if a.is_nonnegative and b.is_positive:
+            return f"({num} // {den})"
+        return f"(({num} - ((({num} % {den}) + {den}) % {den})) // {den})"
 
     def _print_ModularIndexing(self, e):
         a, p, m = e.args
@@ -411,6 +420,26 @@ class TritonPrinter(StrPrinter):
         if a.is_nonnegative and m.is_positive:
             return plain
         return f"(({plain} + {self._operand(m)}) % {self._operand(m)})"
+
+    _print_PythonMod = _print_Mod  # torch's name for Python's `%` on sizes
+
+    def _print_FloorToInt(self, e):
+        return self._print(FloorDiv(*self._int_ratio(e)))
+
+    def _print_CeilToInt(self, e):  # ceil(a / b) = -floor(-a / b)
+        a, b = self._int_ratio(e)
+        return self._print(-FloorDiv(-a, b))
+
+    def _int_ratio(self, e) -> tuple:
+        """(a, b) of floor or ceil of a / b over integers (torch's IntTrueDiv); other float math has no
+        integer form here (codegen then leaves the region to eager, with the reason)."""
+        (arg,) = e.args
+        if isinstance(arg, IntTrueDiv):
+            return arg.args
+        raise ValueError(f"no integer form for {e}")
+
+    def _print_PowByNatural(self, e):
+        return self._print_Pow(e)
 
     def _print_Max(self, e):
         return self._fold("tl.maximum", e.args)
@@ -442,8 +471,16 @@ class PythonPrinter(TritonPrinter):
     def _print_Pow(self, e):
         return StrPrinter._print_Pow(self, e)
 
-    def _print_Mod(self, e):  # Python's `%` is sympy's Mod
+    def _print_Mod(self, e):  # Python's `%` and `//` are sympy's Mod and floor division
         return f"({self._operand(e.args[0])} % {self._operand(e.args[1])})"
+
+    _print_PythonMod = _print_Mod
+
+    def _print_FloorDiv(self, e):
+        return f"({self._operand(e.args[0])} // {self._operand(e.args[1])})"
+
+    def _print_PowByNatural(self, e):
+        return f"({self._operand(e.args[0])} ** {self._operand(e.args[1])})"
 
     def _print_Max(self, e):
         return f"max({', '.join(self._print(a) for a in e.args)})"

@@ -16,10 +16,11 @@ from typing import Callable
 import networkx as nx
 import torch.fx as fx
 
+from . import indexing as ix
 from . import ops
 from .cost import Cost, eager_slow_path, eager_time, region_cost
 from .graph import OWN_KERNEL, ComputeGraph, cpu_scalar, is_size, meta, static_shape
-from .region import Region, analyze, reduction_space
+from .region import PERSISTENT_MAX_R, Region, analyze, reduction_space
 
 
 ALONE_MARGIN = 1.25  # a lone op runs as our kernel only where the model has it this much faster than eager's
@@ -148,6 +149,10 @@ class Partitioner:
             if isinstance(self.cg.info[n], ops.Reduction) and reduction_space(n).r == 0:
                 self.reasons[n] = "a reduction over an empty dim: eager gives the identity (or raises)"
                 continue
+            if self.long_argmax(n):
+                self.reasons[n] = (f"{self.cg.info[n].combine} over a row length that may pass {PERSISTENT_MAX_R} "
+                                   "(a symbolic size): codegen has no looped form of it")
+                continue
             gid = len(self.group)
             self.group[n] = gid
             self.members[gid] = {n}
@@ -177,6 +182,15 @@ class Partitioner:
             self.costs[region] = cost
             regions.append(region)
         return regions
+
+    def long_argmax(self, n) -> bool:
+        """An argmax or argmin whose row length is symbolic and may pass what one block holds: its region
+        would be refused at run time, at such a length, and the whole graph with it."""
+        kind = self.cg.info[n]
+        if not isinstance(kind, ops.Reduction) or kind.combine not in ("argmax", "argmin"):
+            return False
+        r = reduction_space(n).r
+        return not ix.expr(r).is_Integer and not self.cg.sizes.bounds(r).upper <= PERSISTENT_MAX_R
 
     def pays_alone(self, n) -> bool:
         """A lone pointwise op or copy that our kernel runs faster than eager's by the model, with a

@@ -1,6 +1,8 @@
 """Kernels over symbolic sizes: what Dynamo marks dynamic (automatic dynamic, dynamic=True,
 mark_dynamic) stays symbolic in the kernels, so a model called at many lengths compiles a bounded
 number of graphs, matches eager every time and runs fused kernels every time."""
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -299,3 +301,40 @@ def test_index_math_prints_a_modulo_with_pythons_sign():
         inner = c_mod(yv, sv)
         assert signed == "(((y % s0) + s0) % s0)" and c_mod(inner + sv, sv) == yv % sv
     assert pyexpr(sympy.Mod(y, s)) == "(y % s0)"
+
+
+SIZE_MATH = {  # sizes Dynamo writes with floor division of a negative, Python's %, ceil of a ratio
+    "pad to a multiple (-(-n // 8) * 8)": lambda x: F.pad(x, (0, 0, 0, -(-x.shape[0] // 8) * 8 - x.shape[0])) * 2,
+    "pad by (-n) % 8": lambda x: F.pad(x, (0, 0, 0, (-x.shape[0]) % 8)) * 2,
+    "pad to ceil(n / 8) * 8": lambda x: F.pad(x, (0, 0, 0, math.ceil(x.shape[0] / 8) * 8 - x.shape[0])) * 2,
+    "roll": lambda x: torch.roll(x, 3, 0) + 1,
+}
+
+
+@pytest.mark.parametrize("case", SIZE_MATH)
+def test_size_math_over_negative_numbers_prints_with_pythons_rounding(case, device):
+    """Floor division and % of a negative size expression (Python's rounding; Triton's `//` and `%` round as
+    C's) and torch's PythonMod / CeilToInt in index math and host sizes: eager's values at each size, no
+    fallback (the padded rows were left unwritten at n = 13 and 21, found by review)."""
+    fn = SIZE_MATH[case]
+    compiled = torch.compile(fn, backend="fuser", dynamic=True)
+    for n in (13, 21, 16):
+        x = torch.randn(n, 16, device=device)
+        assert_close_to_eager(compiled(x), fn(x))
+        report = fuser.last_report()
+        assert not report.fallback and report.regions, report
+
+
+def test_argmax_over_a_dynamic_row_length_stays_eager(device):
+    """argmax has no looped kernel: over a row length that may pass one block (symbolic), a region with it
+    would be refused at run time at such a length, and the graph with it; it stays eager, with the reason."""
+    fn = lambda x: (x.argmax(1), x.sum(1))  # noqa: E731  siblings: they would merge
+    compiled = torch.compile(fn, backend="fuser", dynamic=True)
+    for n in (100, 300, 20000):
+        x = torch.randn(3, n, device=device)
+        got, want = compiled(x), fn(x)
+        assert torch.equal(got[0], want[0])
+        assert_close_to_eager(got[1], want[1], scale=10)
+        report = fuser.last_report()
+        assert not report.fallback, report
+    assert any("argmax over a row length that may pass" in u.reason for u in report.unfused), report.unfused
