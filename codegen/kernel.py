@@ -249,8 +249,7 @@ class KernelWriter:
         else:
             src_idx = (*idx[:at], sym, *idx[at + span:])
         v = self.value(src, src_idx, f"({cond}) & {valid}" if cond else valid)
-        cdt = compute_dtype(meta(n).dtype)
-        return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
+        return self._as_computed(n, v)
 
     def _index(self, n, idx, cond) -> str:
         """x[i, j, ...] by integer tensors at some dims (ops.index_parts): each index loaded at the
@@ -271,6 +270,10 @@ class KernelWriter:
         src_idx = tuple(syms[d] if d in syms else next(rest) for d in range(len(shape(src))))
         inside = " & ".join(valid)
         v = self.value(src, src_idx, f"({cond}) & {inside}" if cond else inside)
+        return self._as_computed(n, v)
+
+    def _as_computed(self, n, v: str) -> str:
+        """Value `v`, read for layout op `n`, in the dtype n's value is computed in."""
         cdt = compute_dtype(meta(n).dtype)
         return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
 
@@ -310,8 +313,7 @@ class KernelWriter:
         branches, other = kind.index_map(n, idx, self.ranges)
         cdt = compute_dtype(meta(n).dtype)
         if len(branches) == 1 and branches[0][2] is None and other is None:  # a pure index map
-            v = self.value(branches[0][0], branches[0][1], cond)
-            return v if self.dtypes[v] == cdt else self.new(convert(v, self.dtypes[v], cdt), cdt)
+            return self._as_computed(n, self.value(branches[0][0], branches[0][1], cond))
         result = None if other is None else literal(other)  # cat: the last branch is the fallback
         for src, src_idx, bounds in reversed(branches):
             if bounds is not None and not isinstance(bounds[0], tuple):

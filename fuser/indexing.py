@@ -405,7 +405,7 @@ class TritonPrinter(StrPrinter):
         num, den = self._operand(a), self._operand(b)
         if a.is_nonnegative and b.is_positive:
             return f"({num} // {den})"
-        return f"(({num} - ((({num} % {den}) + {den}) % {den})) // {den})"
+        return f"(({num} - {_floor_mod(num, den)}) // {den})"
 
     def _print_ModularIndexing(self, e):
         a, p, m = e.args
@@ -416,10 +416,8 @@ class TritonPrinter(StrPrinter):
         """sympy's Mod takes the divisor's sign (as Python's `%`); Triton's `%` the dividend's (as C's):
         the same where the dividend is non-negative and the divisor positive (index math over sizes)."""
         a, m = e.args
-        plain = f"({self._operand(a)} % {self._operand(m)})"
-        if a.is_nonnegative and m.is_positive:
-            return plain
-        return f"(({plain} + {self._operand(m)}) % {self._operand(m)})"
+        num, den = self._operand(a), self._operand(m)
+        return f"({num} % {den})" if a.is_nonnegative and m.is_positive else _floor_mod(num, den)
 
     _print_PythonMod = _print_Mod  # torch's name for Python's `%` on sizes
 
@@ -463,6 +461,11 @@ class TritonPrinter(StrPrinter):
         """A numerator in brackets unless atomic: `//` and `%` bind tighter than `+`."""
         text = self._print(a)
         return text if a.is_Atom or isinstance(a, (FloorDiv, ModularIndexing)) else f"({text})"
+
+
+def _floor_mod(num: str, den: str) -> str:
+    """Triton source of Python's num % den (the divisor's sign) from C's `%` (the dividend's)."""
+    return f"((({num} % {den}) + {den}) % {den})"
 
 
 class PythonPrinter(TritonPrinter):

@@ -19,7 +19,7 @@ import torch.fx as fx
 from . import indexing as ix
 from . import ops
 from .cost import Cost, eager_slow_path, eager_time, region_cost
-from .graph import OWN_KERNEL, ComputeGraph, cpu_scalar, is_size, meta, static_shape
+from .graph import OWN_KERNEL, ComputeGraph, cpu_scalar, is_size, meta
 from .region import PERSISTENT_MAX_R, Region, analyze, reduction_space
 
 
@@ -258,11 +258,6 @@ class Partitioner:
 
 def _devices(nodes) -> set:
     return {v.device for n in nodes if (v := meta(n)) is not None and not cpu_scalar(v)}
-
-
-def _static(nodes) -> bool:
-    """Every tensor of `nodes` has int sizes."""
-    return all(static_shape(v) for n in nodes if (v := meta(n)) is not None)
 
 
 def _forced(a: set, b: set) -> bool:

@@ -117,25 +117,25 @@ def unroll_small_sums(gm: fx.GraphModule, keep: set) -> list[str]:
         mode = mode or fake_mode_of(gm.graph)
         acc = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
 
-        def add(*args, target=aten.add.Tensor):
-            return insert(gm.graph, n, mode, target, *args)
+        def call(target, *args, **kwargs):  # inserted before the sum, with its fake value
+            return insert(gm.graph, n, mode, target, *args, **kwargs)
 
         total = None
         for at in itertools.product(*(range(s) for s in sizes)):
             part = x
             for d, i in sorted(zip(dims, at), reverse=True):  # the last dim first: the others keep their numbers
-                part = add(part, d, i, target=aten.select.int)
+                part = call(aten.select.int, part, d, i)
             if part.meta["val"].dtype != acc:
-                part = add(part, acc, target=prims.convert_element_type.default)
-            total = part if total is None else add(total, part)
-        total = add(total, 0.0)  # eager's sum starts from +0
+                part = call(prims.convert_element_type.default, part, acc)
+            total = part if total is None else call(aten.add.Tensor, total, part)
+        total = call(aten.add.Tensor, total, 0.0)  # eager's sum starts from +0
         if total.meta["val"].dtype != out.dtype:
-            total = add(total, out.dtype, target=prims.convert_element_type.default)
+            total = call(prims.convert_element_type.default, total, out.dtype)
         keepdim = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
         for d in dims if keepdim else ():
-            total = add(total, d, target=aten.unsqueeze.default)
+            total = call(aten.unsqueeze.default, total, d)
         if not _contiguous(total.meta["val"]):
-            total = insert(gm.graph, n, mode, aten.clone.default, total, memory_format=torch.contiguous_format)
+            total = call(aten.clone.default, total, memory_format=torch.contiguous_format)
         n.replace_all_uses_with(total)
         gm.graph.erase_node(n)
         notes.append(f"{n.name}: {math.prod(sizes)} elements a result")
