@@ -23,6 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from .pipeline import compile_graph
 from .pregrad import claim
 from .decompositions import decompositions
+from .fold import recompute_constants
 from .runtime import CudaGraphs, EagerCheckError, NotForTheseSizes, cuda_graph_refusal, static_inputs, write_over_donated
 from .report import FusionReport
 
@@ -175,6 +176,7 @@ def _partition(joint, inputs, **kwargs):
     but a training step peaks as its backward starts, every layer's activations held, and a tensor
     remade where its layer's backward reads it is held for that layer only (run 59: llama-128k's forward
     saved 3 [tokens, ffn] tensors a layer, as Inductor's does)."""
+    recompute_constants(joint)
     with functorch_config.patch(ban_recompute_materialized_backward=False):
         return min_cut_rematerialization_partition(joint, inputs, **kwargs)
 

@@ -29,6 +29,7 @@ def decompositions() -> dict:
     table[aten.native_group_norm.default] = native_group_norm
     table[aten.native_group_norm_backward.default] = native_group_norm_backward
     table[aten.copy.default] = copy
+    table[aten.mm.default] = table[aten.bmm.default] = outer_product
     for op in [*ops.KEEP_WHOLE, aten.baddbmm]:  # baddbmm: one cuBLAS call (BLOOM's scores: see patterns)
         for overload in op.overloads():
             table.pop(getattr(op, overload), None)
@@ -73,6 +74,17 @@ def native_group_norm_backward(dy, x, mean, rstd, weight, n: int, c: int, hw: in
     if mask[2]:
         db = torch.sum(dy, dim=[0, 3]).reshape(c).to(out_dtype)
     return dx, dw, db
+
+
+def outer_product(a, b):
+    """A matmul over one summed element ([M, 1] @ [1, N], batched or not) as the product it is, a
+    broadcast multiply we fuse with what reads it: rotary embeddings make their angles so in every
+    Hugging Face decoder (`inv_freq[:, None] @ positions[None, :]`), a cuBLAS launch a forward (as
+    Inductor's decomposition of small matmuls).  One product, rounded once: what the matmul gives.  Any
+    other size, or one not known while tracing, stays a matmul (NotImplemented: the op as it is)."""
+    if not isinstance(a.shape[-1], int) or a.shape[-1] != 1 or not a.dtype.is_floating_point:
+        return NotImplemented
+    return a * b
 
 
 def copy(dst, src, non_blocking=False):

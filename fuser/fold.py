@@ -21,6 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .graph import ComputeGraph
 
@@ -31,12 +32,7 @@ FOLD_LIMIT_BYTES = 1 << 24  # per folded value
 def fold_constants(gm: fx.GraphModule) -> list[str]:
     """Folds gm in place; returns a line per folded value for the report."""
     graph = gm.graph
-    const = {n for n in graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor)}
-    for n in graph.nodes:
-        if n.op != "call_function" or not all(a in const for a in n.all_input_nodes):
-            continue
-        if _foldable(n) or (n.target is operator.getitem and n.args[0] in const):
-            const.add(n)
+    const = constant_nodes(gm)
     written = {a for n in graph.nodes for a in _written(n)}
     if written & const:
         return []  # a constant is mutated in place: its value is per call
@@ -62,6 +58,34 @@ def fold_constants(gm: fx.GraphModule) -> list[str]:
     if notes:
         log.debug("fuser: folded %d constants: %s", len(notes), ", ".join(notes))
     return notes
+
+
+def constant_nodes(gm: fx.GraphModule) -> set:
+    """The nodes computed from module constants and constructors alone (what folding may evaluate)."""
+    const = {n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor)}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not all(a in const for a in n.all_input_nodes):
+            continue
+        if _foldable(n) or (n.target is operator.getitem and n.args[0] in const):
+            const.add(n)
+    return const
+
+
+def recompute_constants(joint: fx.GraphModule) -> int:
+    """Marks the joint graph's constant nodes (up to FOLD_LIMIT_BYTES each) for the backward to recompute
+    rather than the forward to save: a causal or packed-sequence mask that Hugging Face builds from
+    `arange` and `cumsum` each step is saved by the min-cut partition as a small activation, so the forward
+    computes it every step (3 to 5 launches, ~300 us of host: cumsum has no lowering) where folding would
+    have made it free.  Recomputed, it is a constant of both graphs, and each folds it.  Returns how many."""
+    marked = 0
+    for n in constant_nodes(joint):
+        v = n.meta.get("val")
+        values = v if isinstance(v, (list, tuple)) else [v]
+        if n.op == "call_function" and all(isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() <= FOLD_LIMIT_BYTES
+                                           for t in values):
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            marked += 1
+    return marked
 
 
 def _foldable(n: fx.Node) -> bool:

@@ -163,6 +163,7 @@ class Partitioner:
                         self.reasons[n] = "a component of an op that stays eager"
         self.absorb_producers()
         self.absorb_siblings()
+        self.absorb_producers()  # siblings merged: a producer they both read through a view may now have one reader
         regions = []
         for gid, nodes in self.members.items():
             compute = [n for n in nodes if n.target is not operator.getitem]

@@ -445,3 +445,32 @@ def test_a_view_of_a_matmul_at_an_unaligned_offset_is_checked(device):
     assert_close_to_eager(compiled(x, w), f(x, w))
     kernels = {m.in_sigs[0].shape: m for g in graphs for m in g.modules() if isinstance(m, RegionKernel)}
     assert kernels[(4, 6)].checked == (0,) and kernels[(1, 6)].checked == (), kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_matmul_over_one_element_is_a_product_fused_with_its_reader(dtype, device):
+    """Rotary angles as every HF decoder makes them (`inv_freq[None, :, None] @ positions[:, None, :]`, a
+    bmm over one summed element) and a plain [M, 1] @ [1, N]: one kernel with the cos and sin that read
+    them, eager's values (one product, rounded once); a matmul over 3 elements stays a matmul."""
+    g = torch.Generator().manual_seed(0)
+    inv = torch.randn(2, 17, 1, generator=g).to(dtype).to(device)
+    pos = torch.randn(2, 1, 29, generator=g).to(dtype).to(device)
+    a, b = torch.randn(37, 1, generator=g).to(dtype).to(device), torch.randn(1, 23, generator=g).to(dtype).to(device)
+
+    def fn(inv, pos, a, b):
+        angles = (inv @ pos).transpose(1, 2)
+        return angles.cos(), angles.sin(), torch.tanh(a @ b)
+
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(inv, pos, a, b), fn(inv, pos, a, b))
+    ops = " ".join(op for r in fused.report.regions for op in r.ops)
+    assert "mm" not in ops and "aten.mul.Tensor" in ops and not fused.report.unfused, fused.report
+    wide = fuser.fuse(lambda a, b: torch.tanh(a @ b))
+    x, y = torch.randn(37, 3, generator=g).to(dtype).to(device), torch.randn(3, 23, generator=g).to(dtype).to(device)
+    assert_close_to_eager(wide(x, y), torch.tanh(x @ y))
+    assert any("mm" in u.op for u in wide.report.unfused), wide.report
+    dyn = torch.compile(lambda inv, pos: (inv @ pos).cos(), backend="fuser", dynamic=True)
+    for t in (29, 31):
+        p = torch.randn(2, 1, t, generator=g).to(dtype).to(device)
+        assert_close_to_eager(dyn(inv, p), (inv @ p).cos())
+    assert not fuser.last_report().fallback

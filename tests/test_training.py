@@ -725,3 +725,26 @@ def test_left_padding_in_training_keeps_eagers_gradients(case, device):
         assert any("attention claimed before autograd (our kernel" in n and "masks whole skipped" in n for n in notes), notes
     else:
         assert any("left to its ops" in n for n in notes), notes
+
+
+def test_a_mask_built_from_constants_is_folded_in_both_graphs_not_saved(device):
+    """A mask made each call from arange and cumsum (Hugging Face's packed-sequence and causal masks) is a
+    constant: the backward recomputes it instead of the forward saving it, so each graph folds it and
+    neither runs its ops (cumsum has no lowering: it was an eager launch every step); gradients as eager's."""
+    def attention(q, k, v):
+        pos = torch.arange(q.shape[2], device=q.device) + 0
+        seq = (torch.diff(pos, prepend=pos[:1] - 1) != 1).cumsum(-1)  # one packed sequence: all zeros
+        mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 3, 37, 16, device=device, requires_grad=True) for _ in range(3))
+    w = torch.randn(2, 3, 37, 16, device=device)
+    got = torch.autograd.grad((torch.compile(attention, backend="fuser")(q, k, v) * w).sum(), (q, k, v))
+    want = torch.autograd.grad((attention(q, k, v) * w).sum(), (q, k, v))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, **tol(torch.float32))
+    forward, backward = fuser.reports()[-2:]
+    code = "\n".join(forward.code + backward.code)
+    assert "cumsum" not in code and "arange" not in code, code
+    assert all(any("computed once, at compile time" in n for n in r.notes) for r in (forward, backward)), \
+        [forward.notes, backward.notes]
