@@ -84,7 +84,7 @@ def outer_product(a, b):
     other size, or one not known while tracing, stays a matmul (NotImplemented: the op as it is)."""
     if not isinstance(a.shape[-1], int) or a.shape[-1] != 1 or not a.dtype.is_floating_point:
         return NotImplemented
-    return a * b
+    return (a * b).contiguous()  # laid out as the matmul's result (a permuted batch dim would carry over)
 
 
 def copy(dst, src, non_blocking=False):

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .graph import ComputeGraph
 
+aten = torch.ops.aten
 log = logging.getLogger("fuser")
 FOLD_LIMIT_BYTES = 1 << 24  # per folded value
 
@@ -60,6 +61,35 @@ def fold_constants(gm: fx.GraphModule) -> list[str]:
     return notes
 
 
+# op -> (the operand that leaves x unchanged, whether that holds for floats): x + 0 is +0.0 where x is -0.0
+_IDENTITIES = {aten.add.Tensor: (0, False), aten.sub.Tensor: (0, True), aten.mul.Tensor: (1, True)}
+
+
+def drop_identities(gm: fx.GraphModule) -> list[str]:
+    """`x + 0`, `x - 0` and `x * 1` replaced by x, where the result is x's dtype, shape and layout and not an
+    output of the graph (which would then return x itself).  Hugging Face computes its positions as
+    `arange(T) + past_length`, 0 in training: an eager add (~60 us of host a step) of a constant our kernels
+    would otherwise compute in their index math.  Returns a line per op dropped."""
+    notes = []
+    for n in list(gm.graph.nodes):
+        identity = _IDENTITIES.get(n.target) if n.op == "call_function" else None
+        if identity is None or len(n.args) != 2 or n.kwargs or not isinstance(n.args[0], fx.Node):
+            continue
+        x, other = n.args
+        xv, v = x.meta.get("val"), n.meta.get("val")
+        if type(other) not in (int, float) or other != identity[0] or not isinstance(xv, torch.Tensor) \
+                or not isinstance(v, torch.Tensor) or (v.dtype.is_floating_point and not identity[1]):
+            continue
+        if (xv.dtype, xv.shape, xv.stride()) != (v.dtype, v.shape, v.stride()) or any(u.op == "output" for u in n.users):
+            continue
+        n.replace_all_uses_with(x)
+        gm.graph.erase_node(n)
+        notes.append(f"{n.name}: {n.target.__name__.split('.')[0]} by {other}")
+    if notes:
+        gm.recompile()
+    return notes
+
+
 def constant_nodes(gm: fx.GraphModule) -> set:
     """The nodes computed from module constants and constructors alone (what folding may evaluate)."""
     const = {n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor)}
@@ -72,20 +102,36 @@ def constant_nodes(gm: fx.GraphModule) -> set:
 
 
 def recompute_constants(joint: fx.GraphModule) -> int:
-    """Marks the joint graph's constant nodes (up to FOLD_LIMIT_BYTES each) for the backward to recompute
-    rather than the forward to save: a causal or packed-sequence mask that Hugging Face builds from
-    `arange` and `cumsum` each step is saved by the min-cut partition as a small activation, so the forward
-    computes it every step (3 to 5 launches, ~300 us of host: cumsum has no lowering) where folding would
-    have made it free.  Recomputed, it is a constant of both graphs, and each folds it.  Returns how many."""
-    marked = 0
-    for n in constant_nodes(joint):
+    """Marks constants of the joint graph for the backward to recompute rather than the forward to save: a causal
+    or packed-sequence mask that Hugging Face builds from `arange` and `cumsum` each step is saved by the min-cut
+    partition as a small activation, so the forward computed it every step (3 to 5 launches, ~300 us of host:
+    cumsum has no lowering) where folding would have made it free.  Recomputed, it is a constant of both graphs,
+    and each folds it.  Marked: constants made with an op we cannot lower (what fold_constants then folds; a
+    chain of lowerable ops is left to the regions that read it, which a backward might not fuse: Swin's shifted-
+    window mask, rolled and padded), and the constants they are made of; each at most FOLD_LIMIT_BYTES and made
+    only of such (one made from a larger constant would have the min-cut save the larger for the backward).
+    Returns how many."""
+    const, cg = constant_nodes(joint), ComputeGraph(joint.graph)
+    small, opaque = set(), set()
+    for n in joint.graph.nodes:
+        if n not in const or n.op != "call_function":
+            continue
         v = n.meta.get("val")
         values = v if isinstance(v, (list, tuple)) else [v]
-        if n.op == "call_function" and all(isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() <= FOLD_LIMIT_BYTES
-                                           for t in values):
+        inputs = [a for a in n.all_input_nodes if a.op == "call_function"]
+        if all(isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() <= FOLD_LIMIT_BYTES for t in values) \
+                and all(a in small for a in inputs):
+            small.add(n)
+            if (n.target is not operator.getitem and not cg.fusible(n)) or any(a in opaque for a in inputs):
+                opaque.add(n)
+    marked, todo = set(), list(opaque)
+    while todo:
+        n = todo.pop()
+        if n not in marked:
+            marked.add(n)
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            marked += 1
-    return marked
+            todo += [a for a in n.all_input_nodes if a in small]
+    return len(marked)
 
 
 def _foldable(n: fx.Node) -> bool:

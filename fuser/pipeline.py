@@ -23,10 +23,10 @@ from . import ops
 from .cost import eager_cost, tensor_bytes
 from .dtypes import target
 from .embedding import lower as lower_embedding_grads
-from .fold import fold_constants
+from .fold import drop_identities, fold_constants
 from .gqa import share_kv_heads
 from .padding import pad_matmuls
-from .split import split_column_sums, unroll_small_sums
+from .split import split_column_sums, split_whole_sums, unroll_small_sums
 from .graph import ComputeGraph, meta, replaced, shape
 from .runtime import AttentionKernel, RegionKernel, fast_calls, run_attention, write_inputs_in_place
 from .partition import Partitioner
@@ -49,9 +49,10 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     that is exact and to our kernel elsewhere, "triton" always to our kernel, False leaves it.
     `cuda_graphs`: the graph will be replayed, so no lowering may decide anything at run time.
     `static`: indices of the inputs that are parameters and buffers (the same tensors every call)."""
+    dropped_identities = drop_identities(gm)
     folded = fold_constants(gm)
     padded = pad_matmuls(gm)
-    split = split_column_sums(gm)
+    split, whole = split_column_sums(gm), split_whole_sums(gm)
     embedding_grads = dict(lower_embedding_grads(gm))
     report = FusionReport()
     if attention and normalize_attention(gm.graph):  # BLOOM's scores: Q·Kᵀ and a bias, for the recogniser
@@ -107,6 +108,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     devices = {n.meta["val"].device.type for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
     if "cpu" in devices and units:
         report.notes.append("CPU tensors: the kernels run through Triton's interpreter (correct, slow; for tests)")
+    if dropped_identities:
+        report.notes.append(f"ops that leave their operand unchanged dropped: {', '.join(dropped_identities)}")
     if folded:
         report.notes.append(f"{len(folded)} constants computed once, at compile time: {', '.join(folded)}")
     if shared:
@@ -115,6 +118,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         report.notes.append(f"matmuls with unaligned widths padded: {', '.join(padded)}")
     if split:
         report.notes.append(f"column sums split to fill the GPU: {'; '.join(split)}")
+    if whole:
+        report.notes.append(f"whole-tensor sums split (their prologue fused into the parts): {'; '.join(whole)}")
     if unrolled:
         report.notes.append(f"small sums as adds (fused where read at other positions): {'; '.join(unrolled)}")
     if embedding_grads:

@@ -25,7 +25,8 @@ import torch.fx as fx
 
 from .plan import NUM_SMS
 from . import indexing as ix
-from .graph import OWN_KERNEL, fake_mode_of, insert, replaced, static_shape
+from . import ops
+from .graph import OWN_KERNEL, ComputeGraph, fake_mode_of, insert, replaced, static_shape
 from .ops import reduction_dims
 from .region import COLUMN_MIN_WIDTH
 
@@ -91,6 +92,63 @@ def _parts(n: fx.Node) -> int | None:
         return None
     parts = next((s for s in range(wanted, 1, -1) if rows % s == 0), 1)
     return parts if parts * 4 >= wanted else None
+
+
+WHOLE_MIN = 1 << 16  # elements: a smaller whole-tensor sum loops fast enough in one program
+MIN_A_PART = 2048      # elements a part at least
+
+
+def split_whole_sums(gm: fx.GraphModule) -> list[str]:
+    """A float sum or mean over every element of a large tensor, of a pointwise op's result (a loss:
+    `out.float().square().mean()`, `((y - t) ** 2).sum()`), becomes sums of parts and then their sum.
+    Whole, it is a row reduction of one row: one program would loop over the tensor, so the partition
+    left it to eager, which then read the prologue's result from memory (an fp32 copy of the model's
+    output, written and read, and an eager reduction's ~60 us of host; bert, t5 and vit's steps).
+    Split, the prologue fuses into the first sum's programs and the mean's division into the second.
+    Rewrites gm in place; returns a line per sum for the report."""
+    notes, changed, cg, mode = [], [], None, None
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in (aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim):
+            continue
+        x, out = n.args[0], n.meta.get("val")
+        xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not isinstance(xv, torch.Tensor) or not isinstance(out, torch.Tensor) or xv.device.type not in DEVICES \
+                or not out.dtype.is_floating_point or out.dtype == torch.float64 \
+                or n.kwargs.get("dtype") not in (None, out.dtype) or not static_shape(xv) or not xv.is_contiguous():
+            continue
+        numel = xv.numel()
+        if len(reduction_dims(n)) != xv.dim() or numel < WHOLE_MIN or x.op != "call_function":
+            continue
+        cg = cg or ComputeGraph(gm.graph)
+        if not isinstance(cg.info.get(x), ops.Pointwise):
+            continue  # no prologue to fuse: eager's one reduction is as good as two of ours
+        parts = next(s for s in range(min(2 * NUM_SMS, numel // MIN_A_PART), 0, -1) if numel % s == 0)
+        if parts * 4 < min(2 * NUM_SMS, numel // MIN_A_PART):
+            continue  # no divisor near the wanted split
+        mode = mode or fake_mode_of(gm.graph)
+        acc = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
+
+        def call(target, *args, **kwargs):  # inserted before the sum, with its fake value
+            return insert(gm.graph, n, mode, target, *args, **kwargs)
+
+        blocks = call(aten.view.default, x, [parts, numel // parts])
+        partial = call(aten.sum.dim_IntList, blocks, [1], dtype=acc)
+        total = call(aten.sum.dim_IntList, partial, [0])
+        partial.meta[OWN_KERNEL] = total.meta[OWN_KERNEL] = True
+        new = [blocks, partial, total]
+        if n.target in (aten.mean.default, aten.mean.dim):
+            new.append(call(aten.div.Tensor, new[-1], numel))
+        if acc != out.dtype:
+            new.append(call(prims.convert_element_type.default, new[-1], out.dtype))
+        if out.dim():  # keepdim
+            new.append(call(aten.view.default, new[-1], list(out.shape)))
+        changed += new
+        n.replace_all_uses_with(new[-1])
+        gm.graph.erase_node(n)
+        notes.append(f"{n.name}: {list(xv.shape)} summed in {parts} parts of {numel // parts}, then the parts")
+    if notes:
+        replaced(gm, changed)
+    return notes
 
 
 UNROLL = 8  # elements a result at most, as Inductor's unroll_reductions_threshold

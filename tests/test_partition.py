@@ -474,3 +474,33 @@ def test_a_matmul_over_one_element_is_a_product_fused_with_its_reader(dtype, dev
         p = torch.randn(2, 1, t, generator=g).to(dtype).to(device)
         assert_close_to_eager(dyn(inv, p), (inv @ p).cos())
     assert not fuser.last_report().fallback
+
+
+def test_ops_that_leave_their_operand_unchanged_are_dropped(device):
+    """`arange(T) + 0` (HF's positions in training) becomes the arange our kernels compute in their index
+    math, not an eager add; a float x * 1 goes too.  Kept: a float x + 0 (-0.0 + 0 is +0.0), and an
+    identity the graph returns (it would return its operand itself)."""
+    def f(x, y):
+        pos = torch.arange(x.shape[1], device=x.device) + 0
+        return ((x * 1) + 0) * 3, torch.tanh(y[pos] * 2.0 + pos), pos * 1
+    x = torch.tensor([[-0.0, 1.5, float("nan")], [float("-inf"), -0.0, 2.0]], device=device)
+    y = torch.randn(3, device=device)
+    fused = fuser.fuse(f)
+    got, want = fused(x, y), f(x, y)
+    assert_close_to_eager(got, want)
+    assert torch.equal(torch.signbit(got[0]), torch.signbit(want[0]))
+    (note,) = [n for n in fused.report.notes if "unchanged dropped" in n]
+    assert note.count("add by 0") == 1 and note.count("mul by 1") == 1, note
+    assert "aten.add.Tensor" not in [u.op for u in fused.report.unfused], fused.report.unfused
+
+
+def test_a_batched_outer_product_is_laid_out_as_the_matmuls_result(device):
+    """bmm over one summed element with a batch-transposed operand: the product keeps that layout where the
+    matmul's result is contiguous, so a view of it (and the caller's) must still work."""
+    g = torch.Generator().manual_seed(0)
+    x, b = torch.randn(5, 2, 1, generator=g).to(device), torch.randn(2, 1, 4, generator=g).to(device)
+    fn = lambda x, b: (torch.bmm(x.transpose(0, 1), b).view(-1).sin(), torch.bmm(x.transpose(0, 1), b))  # noqa: E731
+    fused = fuser.fuse(fn)
+    got, want = fused(x, b), fn(x, b)
+    assert_close_to_eager(got, want)
+    assert got[1].stride() == want[1].stride() and not fused.report.fallbacks and fused.report.regions, fused.report

@@ -99,3 +99,26 @@ def test_column_plan_tiles_along_memory():
     assert block_plan(2048, 32, "cuda", column=True).persistent  # few rows: held in registers
     row = block_plan(2048, 8192, "cuda")
     assert (row.xblock, row.persistent) == (1, True)
+
+
+@pytest.mark.parametrize("op", ["mean", "sum", "mean_keepdim"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_whole_tensor_sum_of_a_prologue_is_split_and_fused(device, split_everywhere, dtype, op):
+    """A loss over a whole output (`out.float().square().mean()`): the cast and square fused into the
+    partial sums (no fp32 copy written), the parts summed and divided in a second kernel; eager's value,
+    NaN and Inf carried.  A whole sum of an input (no prologue) stays eager's one reduction."""
+    torch.manual_seed(4)
+    x = torch.randn(3, 423, 213, device=device, dtype=dtype)
+    x[1, 7, 9] = float("inf") if op == "sum" else x[1, 7, 9]
+    loss = {"mean": lambda x: x.float().square().mean(), "sum": lambda x: (x * 0.5 - 1).sum(),
+            "mean_keepdim": lambda x: torch.tanh(x).mean((0, 1, 2), keepdim=True)}[op]
+    fused = fuser.fuse(loss)
+    got, want = fused(x), loss(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), loss(x.double()).to(want.dtype).double(), **tol(dtype, scale=4))
+    assert any("whole-tensor sums split" in n for n in fused.report.notes), fused.report.notes
+    assert len(fused.report.regions) == 2 and not fused.report.unfused, fused.report
+    assert not any(s.startswith("[3, 423, 213]") for r in fused.report.regions for s in r.output_shapes), fused.report
+    plain = fuser.fuse(lambda x: x.sum())
+    torch.testing.assert_close(plain(x).double(), x.double().sum().to(dtype).double(), **tol(dtype, scale=4))
+    assert not any("whole-tensor" in n for n in plain.report.notes)
