@@ -66,8 +66,9 @@ _IDENTITIES = {aten.add.Tensor: (0, False), aten.sub.Tensor: (0, True), aten.mul
 
 
 def drop_identities(gm: fx.GraphModule) -> list[str]:
-    """`x + 0`, `x - 0` and `x * 1` replaced by x, where the result is x's dtype, shape and layout and not an
-    output of the graph (which would then return x itself).  Hugging Face computes its positions as
+    """`x + 0`, `x - 0` and `x * 1` replaced by x, where the result is x's dtype, shape and layout, real (complex
+    products differ: (1 + inf j) * 1 is nan + inf j), and not returned by the graph, directly or through views
+    (it would return x itself, or a view of it).  Hugging Face computes its positions as
     `arange(T) + past_length`, 0 in training: an eager add (~60 us of host a step) of a constant our kernels
     would otherwise compute in their index math.  Returns a line per op dropped."""
     notes = []
@@ -80,7 +81,7 @@ def drop_identities(gm: fx.GraphModule) -> list[str]:
         if type(other) not in (int, float) or other != identity[0] or not isinstance(xv, torch.Tensor) \
                 or not isinstance(v, torch.Tensor) or (v.dtype.is_floating_point and not identity[1]):
             continue
-        if (xv.dtype, xv.shape, xv.stride()) != (v.dtype, v.shape, v.stride()) or any(u.op == "output" for u in n.users):
+        if (xv.dtype, xv.shape, xv.stride()) != (v.dtype, v.shape, v.stride()) or v.dtype.is_complex or _returned(n):
             continue
         n.replace_all_uses_with(x)
         gm.graph.erase_node(n)
@@ -88,6 +89,24 @@ def drop_identities(gm: fx.GraphModule) -> list[str]:
     if notes:
         gm.recompile()
     return notes
+
+
+def _returned(n: fx.Node) -> bool:
+    """The graph returns n's value or a view of it."""
+    todo, seen = [n], set()
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        for u in m.users:
+            if u.op == "output":
+                return True
+            op = u.target
+            if (isinstance(op, torch._ops.OpOverload) and (op.is_view or op is aten._unsafe_view.default)) \
+                    or op is operator.getitem:
+                todo.append(u)
+    return False
 
 
 def constant_nodes(gm: fx.GraphModule) -> set:

@@ -120,7 +120,8 @@ def _grad_mode_refusal(gm: fx.GraphModule, example_inputs) -> str | None:
 def _wanted(gm: fx.GraphModule, attention: bool, loss: bool, dropout: bool) -> str:
     """What this graph has to claim, in words ("" for nothing: then no trace, which could add guards)."""
     att = attention and any(_feeds_a_matmul(n) for n in gm.graph.nodes if "softmax" in str(n.target))
-    calls = attention and any(_sdpa_call(n) for n in gm.graph.nodes)
+    calls = attention and any(_sdpa_call(n) for n in gm.graph.nodes) and any(  # pinned on CUDA only
+        isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.is_cuda for n in gm.graph.nodes if n.op == "placeholder")
     ce = loss and any(_is_a_loss(n) for n in gm.graph.nodes)
     drop = dropout and any(_is_dropout(n) for n in gm.graph.nodes)
     return " and ".join(w for w, on in (("attention", att), ("SDPA's kernel", calls), ("the linear + cross-entropy", ce),
@@ -217,8 +218,7 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
     if wanted == "SDPA's kernel" and not pinned:
         return gm, []  # SDPA calls alone, none the trace would take otherwise than eager: Dynamo's graph as is
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
-    # hand-written attention (a softmax feeding a matmul in Dynamo's graph); SDPA calls alone are only pinned
-    notes = _claim_attention(traced, example_inputs) if "attention" in wanted.split(" and ") else []
+    notes = _claim_attention(traced, example_inputs) if attention else []
     if pinned:
         notes.append(f"SDPA calls claimed before autograd: {len(pinned)} run {', '.join(sorted(set(pinned)))}, as eager "
                      "picks for their tensors (traced with fake tensors, SDPA took its math path)")
@@ -235,9 +235,7 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
         with mode:
             traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten.dropout]))(*values)
         traced.graph.eliminate_dead_code()
-    parts = wanted.split(" and ")  # only what Dynamo's graph showed (an SDPA call alone traces the graph too)
-    notes += (_claim_losses(traced) if "the linear + cross-entropy" in parts else []) + \
-        (_claim_dropouts(traced) if "dropout" in parts else [])
+    notes += (_claim_losses(traced) if loss else []) + (_claim_dropouts(traced) if dropout else [])
     if not any(" claimed before autograd" in n for n in notes):
         return gm, notes
     traced.graph.eliminate_dead_code()

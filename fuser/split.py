@@ -114,8 +114,8 @@ def split_whole_sums(gm: fx.GraphModule) -> list[str]:
         xv = x.meta.get("val") if isinstance(x, fx.Node) else None
         if not isinstance(xv, torch.Tensor) or not isinstance(out, torch.Tensor) or xv.device.type not in DEVICES \
                 or not out.dtype.is_floating_point or out.dtype == torch.float64 \
-                or n.kwargs.get("dtype") not in (None, out.dtype) or not static_shape(xv) or not xv.is_contiguous():
-            continue
+                or n.kwargs.get("dtype") not in (None, xv.dtype) or not static_shape(xv) or not xv.is_contiguous():
+            continue  # (a dtype= casts every element first: eager's fp16 sum of fp32 values overflows per element)
         numel = xv.numel()
         if len(reduction_dims(n)) != xv.dim() or numel < WHOLE_MIN or x.op != "call_function":
             continue

@@ -504,3 +504,18 @@ def test_a_batched_outer_product_is_laid_out_as_the_matmuls_result(device):
     got, want = fused(x, b), fn(x, b)
     assert_close_to_eager(got, want)
     assert got[1].stride() == want[1].stride() and not fused.report.fallbacks and fused.report.regions, fused.report
+
+
+def test_identities_kept_where_the_graph_returns_them_through_a_view_or_they_are_complex(device):
+    """x * 1 returned through a view would hand back a view of x (a later write to x would show in it), and
+    complex x + 0, x * 1 differ from x ((-0-0j) + 0 is +0+0j; (1 + inf j) * 1 is nan + inf j): all kept."""
+    x = torch.randn(2, 3, device=device)
+    fused = fuser.fuse(lambda x: ((x * 1).t(), (x - 0).view(-1)))
+    a, b = fused(x)
+    assert a.data_ptr() != x.data_ptr() and b.data_ptr() != x.data_ptr()
+    assert_close_to_eager((a, b), (x.t(), x.view(-1)))
+    z = torch.tensor([complex(-0.0, -0.0), complex(1.0, float("inf"))], device=device)
+    cf = fuser.fuse(lambda z: ((z + 0) * 2, (z * 1) * 2))
+    for got, want in zip(cf(z), ((z + 0) * 2, (z * 1) * 2)):
+        torch.testing.assert_close(got, want, equal_nan=True)
+        assert torch.equal(torch.signbit(got.real), torch.signbit(want.real))

@@ -122,3 +122,15 @@ def test_a_whole_tensor_sum_of_a_prologue_is_split_and_fused(device, split_every
     plain = fuser.fuse(lambda x: x.sum())
     torch.testing.assert_close(plain(x).double(), x.double().sum().to(dtype).double(), **tol(dtype, scale=4))
     assert not any("whole-tensor" in n for n in plain.report.notes)
+
+
+def test_a_whole_sum_with_a_narrower_dtype_stays_eagers(device, split_everywhere):
+    """sum(dtype=float16) of fp32 values casts each element first (70000 is inf in fp16, inf - inf NaN): not split
+    into fp32 parts, which would give the finite total."""
+    x = torch.randn(3, 423, 213, device=device)
+    x[0, 0, 0], x[0, 0, 1] = 70000.0, -70000.0
+    fn = lambda x: (x * 1.5).sum(dtype=torch.float16)  # noqa: E731
+    fused = fuser.fuse(fn)
+    got, want = fused(x), fn(x)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert not any("whole-tensor" in n for n in fused.report.notes)
