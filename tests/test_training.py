@@ -490,13 +490,8 @@ def test_bloom_attention_in_training_is_left_with_its_reason(device):
     assert any("left to its ops" in n and "autograd_function_apply" in n for n in notes), notes
 
 
-def test_our_ops_are_called_as_python_functions_in_the_program(device):
-    """The forward and backward programs call fuser's own custom ops (attention here) as their Python
-    functions, past the dispatcher, in a graph with no fused region too; gradients stay eager's."""
-    def attention(q, k, v):
-        s = 5.0 * torch.tanh((q @ k.transpose(-1, -2)) * 0.3 / 5.0)  # soft-capped: our kernel, not SDPA
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        return torch.softmax(s, -1) @ v
+def _attention_gradients_match_eager(attention, device):
+    """attention(q, k, v) compiled with fuser: the gradients of q, k and v as eager's (fp32, [2, 3, 37, 16])."""
     torch._dynamo.reset()
     q, k, v = (torch.randn(2, 3, 37, 16, device=device, requires_grad=True) for _ in range(3))
     w = torch.randn(2, 3, 37, 16, device=device)
@@ -504,6 +499,16 @@ def test_our_ops_are_called_as_python_functions_in_the_program(device):
     want = torch.autograd.grad((attention(q, k, v) * w).sum(), (q, k, v))
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, **tol(torch.float32))
+
+
+def test_our_ops_are_called_as_python_functions_in_the_program(device):
+    """The forward and backward programs call fuser's own custom ops (attention here) as their Python
+    functions, past the dispatcher, in a graph with no fused region too; gradients stay eager's."""
+    def attention(q, k, v):
+        s = 5.0 * torch.tanh((q @ k.transpose(-1, -2)) * 0.3 / 5.0)  # soft-capped: our kernel, not SDPA
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        return torch.softmax(s, -1) @ v
+    _attention_gradients_match_eager(attention, device)
     forward, backward = ("\n".join(r.code) for r in fuser.reports()[-2:])
     assert "fuser_attention_op_flash_attention_op(" in forward and "fuser_attention_op_flash_attention_backward_op(" in backward
     assert "torch.ops.fuser" not in forward + backward
@@ -736,13 +741,7 @@ def test_a_mask_built_from_constants_is_folded_in_both_graphs_not_saved(device):
         seq = (torch.diff(pos, prepend=pos[:1] - 1) != 1).cumsum(-1)  # one packed sequence: all zeros
         mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    torch._dynamo.reset()
-    q, k, v = (torch.randn(2, 3, 37, 16, device=device, requires_grad=True) for _ in range(3))
-    w = torch.randn(2, 3, 37, 16, device=device)
-    got = torch.autograd.grad((torch.compile(attention, backend="fuser")(q, k, v) * w).sum(), (q, k, v))
-    want = torch.autograd.grad((attention(q, k, v) * w).sum(), (q, k, v))
-    for g, e in zip(got, want):
-        torch.testing.assert_close(g, e, **tol(torch.float32))
+    _attention_gradients_match_eager(attention, device)
     forward, backward = fuser.reports()[-2:]
     code = "\n".join(forward.code + backward.code)
     assert "cumsum" not in code and "arange" not in code, code
