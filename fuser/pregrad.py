@@ -219,12 +219,12 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
         return gm, []  # SDPA calls alone, none the trace would take otherwise than eager: Dynamo's graph as is
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
     notes = _claim_attention(traced, example_inputs) if attention else []
+    if "attention" in wanted and not notes:
+        notes.append("attention in training left to its ops: a softmax feeds a matmul, but no attention was recognised "
+                     "there (patterns/attention.py: Q @ K^T, a score chain, softmax, @ V, over a static head dim)")
     if pinned:
         notes.append(f"SDPA calls claimed before autograd: {len(pinned)} run {', '.join(sorted(set(pinned)))}, as eager "
                      "picks for their tensors (traced with fake tensors, SDPA took its math path)")
-    if "attention" in wanted and not [n for n in notes if not n.startswith("SDPA calls")]:
-        notes.append("attention in training left to its ops: a softmax feeds a matmul, but no attention was recognised "
-                     "there (patterns/attention.py: Q @ K^T, a score chain, softmax, @ V, over a static head dim)")
     if any(safe_rows(n) for n in traced.graph.nodes):
         # SDPA's math path, decomposed by the trace (_safe_softmax) and not claimed back: its decomposed
         # backward gives NaN on a row whose every key is -inf, where eager's gives 0.  Traced again

@@ -43,29 +43,38 @@ def split_column_sums(gm: fx.GraphModule) -> list[str]:
         parts = _parts(n)
         if parts is None:
             continue
-        x, keepdim = n.args[0], n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
-        xv, out = x.meta["val"], n.meta["val"]
+        xv = n.args[0].meta["val"]
         k = len(reduction_dims(n))
         rows, rest = math.prod(xv.shape[:k]), list(xv.shape[k:])
-        acc = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
-        with gm.graph.inserting_before(n):
-            blocks = gm.graph.call_function(aten.view.default, (x, [parts, rows // parts, *rest]))
-            partial = gm.graph.call_function(aten.sum.dim_IntList, (blocks, [1]), {"dtype": acc})
-            total = gm.graph.call_function(aten.sum.dim_IntList, (partial, [0]))
-            partial.meta[OWN_KERNEL] = total.meta[OWN_KERNEL] = True  # eager's column sums are slower
-            new = [blocks, partial, total]
-            if acc != out.dtype:
-                new.append(gm.graph.call_function(prims.convert_element_type.default, (new[-1], out.dtype)))
-            if keepdim:
-                new.append(gm.graph.call_function(aten.view.default, (new[-1], list(out.shape))))
-        changed += new
-        n.replace_all_uses_with(new[-1])
-        gm.graph.erase_node(n)
+        changed += _sum_in_parts(gm, n, [parts, rows // parts, *rest])
         notes.append(f"{n.name}: {list(xv.shape)} summed over {rows} rows in {parts} parts of {rows // parts}, "
                      "then the parts")
     if notes:
         replaced(gm, changed)
     return notes
+
+
+def _sum_in_parts(gm: fx.GraphModule, n: fx.Node, blocks: list, divide_by: int | None = None) -> list[fx.Node]:
+    """Replaces sum (or mean) `n` by the sums of its input viewed as `blocks` ([parts, a part's rows, the
+    rest]) in fp32 for 16-bit values, their sum (our kernels both: eager's column sums are the slower),
+    the mean's division by `divide_by`, the cast to n's dtype and a view to n's shape; returns the new nodes."""
+    out, graph = n.meta["val"], gm.graph
+    acc = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
+    with graph.inserting_before(n):
+        view = graph.call_function(aten.view.default, (n.args[0], blocks))
+        partial = graph.call_function(aten.sum.dim_IntList, (view, [1]), {"dtype": acc})
+        total = graph.call_function(aten.sum.dim_IntList, (partial, [0]))
+        partial.meta[OWN_KERNEL] = total.meta[OWN_KERNEL] = True
+        new = [view, partial, total]
+        if divide_by is not None:
+            new.append(graph.call_function(aten.div.Tensor, (new[-1], divide_by)))
+        if acc != out.dtype:
+            new.append(graph.call_function(prims.convert_element_type.default, (new[-1], out.dtype)))
+        if list(out.shape) != list(blocks[2:]):  # keepdim
+            new.append(graph.call_function(aten.view.default, (new[-1], list(out.shape))))
+    n.replace_all_uses_with(new[-1])
+    graph.erase_node(n)
+    return new
 
 
 def _parts(n: fx.Node) -> int | None:
@@ -106,7 +115,7 @@ def split_whole_sums(gm: fx.GraphModule) -> list[str]:
     output, written and read, and an eager reduction's ~60 us of host; bert, t5 and vit's steps).
     Split, the prologue fuses into the first sum's programs and the mean's division into the second.
     Rewrites gm in place; returns a line per sum for the report."""
-    notes, changed, cg, mode = [], [], None, None
+    notes, changed, cg = [], [], None
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target not in (aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim):
             continue
@@ -125,26 +134,8 @@ def split_whole_sums(gm: fx.GraphModule) -> list[str]:
         parts = next(s for s in range(min(2 * NUM_SMS, numel // MIN_A_PART), 0, -1) if numel % s == 0)
         if parts * 4 < min(2 * NUM_SMS, numel // MIN_A_PART):
             continue  # no divisor near the wanted split
-        mode = mode or fake_mode_of(gm.graph)
-        acc = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
-
-        def call(target, *args, **kwargs):  # inserted before the sum, with its fake value
-            return insert(gm.graph, n, mode, target, *args, **kwargs)
-
-        blocks = call(aten.view.default, x, [parts, numel // parts])
-        partial = call(aten.sum.dim_IntList, blocks, [1], dtype=acc)
-        total = call(aten.sum.dim_IntList, partial, [0])
-        partial.meta[OWN_KERNEL] = total.meta[OWN_KERNEL] = True
-        new = [blocks, partial, total]
-        if n.target in (aten.mean.default, aten.mean.dim):
-            new.append(call(aten.div.Tensor, new[-1], numel))
-        if acc != out.dtype:
-            new.append(call(prims.convert_element_type.default, new[-1], out.dtype))
-        if out.dim():  # keepdim
-            new.append(call(aten.view.default, new[-1], list(out.shape)))
-        changed += new
-        n.replace_all_uses_with(new[-1])
-        gm.graph.erase_node(n)
+        changed += _sum_in_parts(gm, n, [parts, numel // parts], divide_by=numel if n.target in (aten.mean.default,
+                                                                                           aten.mean.dim) else None)
         notes.append(f"{n.name}: {list(xv.shape)} summed in {parts} parts of {numel // parts}, then the parts")
     if notes:
         replaced(gm, changed)
