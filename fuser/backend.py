@@ -22,6 +22,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .pipeline import compile_graph
 from .pregrad import claim
+from .sdpa_calls import drop_keep_all_masks
 from .decompositions import decompositions
 from .fold import recompute_constants
 from .runtime import CudaGraphs, EagerCheckError, NotForTheseSizes, cuda_graph_refusal, static_inputs, write_over_donated
@@ -228,9 +229,10 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
         n_dynamo_inputs[0] = len(example_inputs)
         given = gm  # Dynamo's graph, what runs if AOT Autograd fails on the claimed one
         try:
-            claimed[:] = []
+            claimed[:] = drop_keep_all_masks(gm) if opts["attention"] is not False else []
             if opts["attention"] is True or opts["fused_loss"] or opts["dropout"]:
-                gm, claimed[:] = _claimed(gm, example_inputs, opts["attention"] is True, opts["fused_loss"], opts["dropout"])
+                gm, notes = _claimed(gm, example_inputs, opts["attention"] is True, opts["fused_loss"], opts["dropout"])
+                claimed[:] += notes
             return aot(gm, example_inputs)
         except (RestartAnalysis, SkipFrame):
             raise  # Dynamo's own control flow (e.g. a 0-d float input made a SymFloat): not a failure

@@ -25,14 +25,12 @@ Autocast switched inside the graph is kept: the trace records the casts it makes
 from __future__ import annotations
 
 import operator
-import threading
 
 import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.nn.attention import SDPBackend
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from fuser.codegen import sdpa
 from fuser.codegen.attention import LinearBias
@@ -46,6 +44,7 @@ from .attention_op import flash_attention_op, register_mod, register_site
 from .dropout import dropout_op
 from .dtypes import target
 from .linear_ce import linear_cross_entropy_logits_op, linear_cross_entropy_op
+from .sdpa_calls import is_sdpa_call, pin_sdpa, pinned_kernels
 
 aten = torch.ops.aten
 
@@ -120,75 +119,12 @@ def _grad_mode_refusal(gm: fx.GraphModule, example_inputs) -> str | None:
 def _wanted(gm: fx.GraphModule, attention: bool, loss: bool, dropout: bool) -> str:
     """What this graph has to claim, in words ("" for nothing: then no trace, which could add guards)."""
     att = attention and any(_feeds_a_matmul(n) for n in gm.graph.nodes if "softmax" in str(n.target))
-    calls = attention and any(_sdpa_call(n) for n in gm.graph.nodes) and any(  # pinned on CUDA only
+    calls = attention and any(is_sdpa_call(n) for n in gm.graph.nodes) and any(  # pinned on CUDA only
         isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.is_cuda for n in gm.graph.nodes if n.op == "placeholder")
     ce = loss and any(_is_a_loss(n) for n in gm.graph.nodes)
     drop = dropout and any(_is_dropout(n) for n in gm.graph.nodes)
     return " and ".join(w for w, on in (("attention", att), ("SDPA's kernel", calls), ("the linear + cross-entropy", ce),
                                         ("dropout", drop)) if on)
-
-
-# ------------------------------------------------------------------------------------ SDPA calls
-_SDPA_CALLS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
-_PRIVATE = {SDPBackend.FLASH_ATTENTION.value: "flash", SDPBackend.CUDNN_ATTENTION.value: "cuDNN",
-            SDPBackend.EFFICIENT_ATTENTION.value: "memory-efficient"}
-
-
-def _sdpa_call(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in _SDPA_CALLS
-
-
-def eager_sdpa_choice(q, k, v, is_causal: bool, scale) -> int | None:
-    """The kernel SDPA picks on real tensors of q, k and v's sizes, strides, dtype and device, or None (sizes
-    not static).  Asked of fake tensors (what Dynamo and AOT Autograd trace with), SDPA can answer its math
-    path where real tensors get a fused kernel: ViT's [32, 12, 197, 64] bf16 queries, viewed from [B, S, H, D],
-    get cuDNN in eager and math under fake tensors (H200, run 97), whose fp32 matmuls took 1.09 ms a layer's
-    forward and backward against cuDNN's 0.19, in Inductor's step and ours.  One buffer holds all three (no
-    values are read)."""
-    dims = [*q.shape, *q.stride(), *k.shape, *k.stride(), *v.shape, *v.stride()]
-    if not all(isinstance(x, int) for x in dims):
-        return None
-    with disable_proxy_modes_tracing(), unset_fake_temporarily():  # real tensors, kept out of the trace
-        span = max(1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) for t in (q, k, v))
-        buf = torch.empty(span, dtype=q.dtype, device=q.device)
-        real = [buf.as_strided(t.shape, t.stride()).requires_grad_(t.requires_grad) for t in (q, k, v)]
-        return int(torch._fused_sdp_choice(*real, None, 0.0, is_causal, scale=scale))
-
-
-_pinned = threading.local()  # the kernels sdpa_as_eager_picks took during this thread's trace
-
-
-def sdpa_as_eager_picks(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """F.scaled_dot_product_attention, traced with fake tensors as SDPA would run on real ones: where the trace
-    would take the math path (fp32 matmuls and a softmax, saved for the backward) but eager takes a fused
-    kernel, that kernel's op, whose derivative is its own backward.  Called on real tensors, with a mask,
-    dropout or GQA, or where fake and real tensors agree, it is SDPA itself."""
-    if isinstance(query, FakeTensor) and query.is_cuda and attn_mask is None and not dropout_p and not enable_gqa:
-        choice = eager_sdpa_choice(query, key, value, is_causal, scale)
-        if choice in _PRIVATE and choice != int(torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale)):
-            getattr(_pinned, "kernels", []).append(_PRIVATE[choice])
-            if choice == SDPBackend.FLASH_ATTENTION.value:
-                return aten._scaled_dot_product_flash_attention.default(query, key, value, 0.0, is_causal, False,
-                                                                         scale=scale)[0]
-            if choice == SDPBackend.CUDNN_ATTENTION.value:
-                return aten._scaled_dot_product_cudnn_attention.default(query, key, value, None, True, 0.0, is_causal,
-                                                                        False, scale=scale)[0]
-            return aten._scaled_dot_product_efficient_attention.default(query, key, value, None, True, 0.0, is_causal,
-                                                                        scale=scale)[0]
-    return torch._C._nn.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                                     enable_gqa=enable_gqa)
-
-
-def _pin_sdpa(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of gm whose SDPA calls trace as `sdpa_as_eager_picks`, or gm where it has none."""
-    if not any(_sdpa_call(n) for n in gm.graph.nodes):
-        return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for n in graph.nodes:
-        if _sdpa_call(n):
-            n.target = sdpa_as_eager_picks
-    return fx.GraphModule(gm, graph)
 
 
 def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool = True,
@@ -207,14 +143,9 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
     # Dynamo's own fake inputs (sizes symbolic where they vary): the trace keeps the size arithmetic
     values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
     mode = next(v.fake_mode for v in values if isinstance(v, FakeTensor))
-    _pinned.kernels = []
-    try:
-        with mode:
-            traced = make_fx(_pin_sdpa(gm) if attention else gm,
-                             decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax, aten.dropout]))(*values)
-        pinned = _pinned.kernels
-    finally:
-        _pinned.kernels = []
+    with mode, pinned_kernels() as pinned:
+        traced = make_fx(pin_sdpa(gm) if attention else gm,
+                         decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax, aten.dropout]))(*values)
     if wanted == "SDPA's kernel" and not pinned:
         return gm, []  # SDPA calls alone, none the trace would take otherwise than eager: Dynamo's graph as is
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)

@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     # the pipeline, pairs codegen's source with the runtime; nothing in the package imports it.
     ("api", ("fuser.api", "fuser.attention"), False),
     # Dynamo -> AOT Autograd; the decompositions are part of that stage.
-    ("backend", ("fuser.backend", "fuser.decompositions", "fuser.pregrad", "fuser.linear_ce", "fuser.attention_op"), True),
+    ("backend", ("fuser.backend", "fuser.decompositions", "fuser.pregrad", "fuser.sdpa_calls", "fuser.linear_ce", "fuser.attention_op"), True),
     # fuser::dropout, the op the backend claims dropout as: its eager kernel pairs ops' expression
     # with the runtime; ops.py finds the op by its name, so nothing below imports it.
     ("dropout op", ("fuser.dropout",), False),

@@ -773,34 +773,3 @@ def test_a_small_constant_made_from_a_large_one_is_saved_not_the_large_one(devic
     (want,) = torch.autograd.grad(f(x), x)
     torch.testing.assert_close(got, want, **tol(torch.float32))
     assert max(saved, default=0) <= 512, saved
-
-
-def test_sdpa_calls_run_the_kernel_eager_picks_in_training(device):
-    """Attention over queries viewed from [B, S, H, D] (197 tokens, bf16, no mask): traced with fake tensors
-    SDPA takes its math path (fp32 matmuls, 5x slower) where real tensors take cuDNN or flash; the claim pins
-    the kernel eager picks, whose own backward AOT traces.  Gradients as eager's either way, and the note
-    exactly where the two choices differ."""
-    if device != "cuda":
-        pytest.skip("SDPA's fused kernels (and the trace's disagreement over them) are CUDA's")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from fuser.pregrad import eager_sdpa_choice
-    torch._dynamo.reset()
-    b, s, h, d = 32, 197, 12, 64  # the math path under fake tensors on an H200 (run 97)
-    proj = torch.nn.Linear(h * d, 3 * h * d, device=device, dtype=torch.bfloat16)
-
-    def f(x):
-        q, k, v = proj(x).view(b, s, 3, h, d).unbind(2)
-        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return o.float().square().mean()
-    x = torch.randn(b, s, h * d, device=device, dtype=torch.bfloat16, requires_grad=True)
-    got = torch.autograd.grad(torch.compile(f, backend="fuser")(x), [x, proj.weight])
-    want = torch.autograd.grad(f(x), [x, proj.weight])
-    for g, e in zip(got, want):
-        torch.testing.assert_close(g, e, **tol(torch.bfloat16, scale=2))
-    q = torch.empty(b, s, 3, h, d, device=device, dtype=torch.bfloat16)[:, :, 0].transpose(1, 2).requires_grad_()
-    with FakeTensorMode() as mode:
-        fq = mode.from_tensor(q)
-        traced_choice = int(torch._fused_sdp_choice(fq, fq, fq))
-        eager_choice = eager_sdpa_choice(fq, fq, fq, False, None)
-    notes = [n for r in fuser.reports() for n in r.notes if n.startswith("SDPA calls claimed")]
-    assert bool(notes) == (traced_choice != eager_choice and eager_choice != 0), (traced_choice, eager_choice, notes)

@@ -1,0 +1,179 @@
+"""SDPA calls in Dynamo's graph, made ready for AOT Autograd: masks that keep every key dropped, and,
+for the trace before autograd (pregrad.py), the fused kernel eager would pick pinned where tracing with
+fake tensors would take SDPA's math path.
+
+Both matter for the same calls: transformers (5.17, under compile) passes ViT's attention an all-keep mask
+built from aranges (`q_index >= 0`, expanded); with a mask SDPA runs its memory-efficient kernel at best,
+and a mask also keeps the pin off.  A mask is dropped only where its value is known at compile time: made
+from no graph input (sizes static, no random op), evaluated once on real tensors, every element True
+(boolean) or 0 (additive).  A mask that depends on a size that varies, or on an input, stays."""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
+from torch.nn.attention import SDPBackend
+
+from .fold import FOLD_LIMIT_BYTES
+
+aten = torch.ops.aten
+
+_SDPA_CALLS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+_PRIVATE = {SDPBackend.FLASH_ATTENTION.value: "flash", SDPBackend.CUDNN_ATTENTION.value: "cuDNN",
+            SDPBackend.EFFICIENT_ATTENTION.value: "memory-efficient"}
+
+
+def is_sdpa_call(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in _SDPA_CALLS
+
+
+# ------------------------------------------------------------------------------------ masks that keep every key
+def _mask_of(n: fx.Node):
+    return n.kwargs["attn_mask"] if "attn_mask" in n.kwargs else n.args[3] if len(n.args) > 3 else None
+
+
+def _made_of(node: fx.Node) -> list[fx.Node] | None:
+    """`node` and what it is computed from, in graph order, or None where any of it is a graph input, an
+    attribute, a value of no static size, or past the fold limit."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        v = n.meta.get("example_value")
+        if n.op not in ("call_function", "call_method") or v is None:
+            return None
+        if isinstance(v, torch.Tensor) and (not all(isinstance(s, int) for s in v.shape)
+                                            or v.untyped_storage().nbytes() > FOLD_LIMIT_BYTES):
+            return None
+        stack.extend(n.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def _value(gm: fx.GraphModule, nodes: list[fx.Node]) -> torch.Tensor | None:
+    """The last of `nodes` computed on real tensors, or None where any op draws random numbers (checked on a
+    trace with fake tensors first, so no generator moves) or the computation fails."""
+    graph, env = fx.Graph(), {}
+    for n in nodes:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(env[nodes[-1]])
+    try:
+        with disable_proxy_modes_tracing(), unset_fake_temporarily():
+            traced = make_fx(fx.GraphModule(gm, graph), tracing_mode="fake")()
+            if any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+                   for n in traced.graph.nodes):
+                return None
+            value = traced()
+    except Exception:  # noqa: BLE001 - a mask we cannot evaluate is kept
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _keeps_every_key(value: torch.Tensor) -> bool:
+    if value.dtype == torch.bool:
+        return bool(value.all())
+    return value.is_floating_point() and bool((value == 0).all())
+
+
+def _erase_unused(node: fx.Node) -> None:
+    """`node` and what only it read, where nothing reads them now."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.users or n.graph is None:
+            continue
+        inputs = n.all_input_nodes
+        n.graph.erase_node(n)
+        stack.extend(inputs)
+
+
+def drop_keep_all_masks(gm: fx.GraphModule) -> list[str]:
+    """Each SDPA call's mask dropped where it keeps every key (module docstring); notes for the report."""
+    dropped = 0
+    for n in list(gm.graph.nodes):
+        mask = _mask_of(n) if is_sdpa_call(n) else None
+        if not isinstance(mask, fx.Node) or (nodes := _made_of(mask)) is None:
+            continue
+        value = _value(gm, nodes)
+        if value is None or not _keeps_every_key(value):
+            continue
+        if "attn_mask" in n.kwargs:
+            n.update_kwarg("attn_mask", None)
+        else:
+            n.update_arg(3, None)
+        _erase_unused(mask)
+        dropped += 1
+    if not dropped:
+        return []
+    gm.recompile()
+    return [f"attention masks that keep every key dropped: {dropped} SDPA call(s) had a mask made from constants "
+            "that masks nothing (they run SDPA's unmasked kernels)"]
+
+
+# ------------------------------------------------------------------------------------ the kernel eager picks
+def eager_sdpa_choice(q, k, v, is_causal: bool, scale) -> int | None:
+    """The kernel SDPA picks on real tensors of q, k and v's sizes, strides, dtype and device, or None (sizes
+    not static).  Asked of fake tensors (what Dynamo and AOT Autograd trace with), SDPA can answer its math
+    path where real tensors get a fused kernel: ViT's [32, 12, 197, 64] bf16 queries, viewed from [B, S, H, D],
+    get cuDNN in eager and math under fake tensors (H200, run 97), whose fp32 matmuls took 1.09 ms a layer's
+    forward and backward against cuDNN's 0.19, in Inductor's step and ours.  One buffer holds all three (no
+    values are read)."""
+    dims = [*q.shape, *q.stride(), *k.shape, *k.stride(), *v.shape, *v.stride()]
+    if not all(isinstance(x, int) for x in dims):
+        return None
+    with disable_proxy_modes_tracing(), unset_fake_temporarily():  # real tensors, kept out of the trace
+        span = max(1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) for t in (q, k, v))
+        buf = torch.empty(span, dtype=q.dtype, device=q.device)
+        real = [buf.as_strided(t.shape, t.stride()).requires_grad_(t.requires_grad) for t in (q, k, v)]
+        return int(torch._fused_sdp_choice(*real, None, 0.0, is_causal, scale=scale))
+
+
+_pinned = threading.local()  # the kernels sdpa_as_eager_picks took during this thread's trace
+
+
+@contextlib.contextmanager
+def pinned_kernels():
+    """A list of the kernels `sdpa_as_eager_picks` pins inside this block (filled as the trace goes)."""
+    _pinned.kernels = kernels = []
+    try:
+        yield kernels
+    finally:
+        _pinned.kernels = []
+
+
+def sdpa_as_eager_picks(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention, traced with fake tensors as SDPA would run on real ones: where the trace
+    would take the math path (fp32 matmuls and a softmax, saved for the backward) but eager takes a fused
+    kernel, that kernel's op, whose derivative is its own backward.  Called on real tensors, with a mask,
+    dropout or GQA, or where fake and real tensors agree, it is SDPA itself."""
+    if isinstance(query, FakeTensor) and query.is_cuda and attn_mask is None and not dropout_p and not enable_gqa:
+        choice = eager_sdpa_choice(query, key, value, is_causal, scale)
+        if choice in _PRIVATE and choice != int(torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale)):
+            getattr(_pinned, "kernels", []).append(_PRIVATE[choice])
+            if choice == SDPBackend.FLASH_ATTENTION.value:
+                return aten._scaled_dot_product_flash_attention.default(query, key, value, 0.0, is_causal, False,
+                                                                         scale=scale)[0]
+            if choice == SDPBackend.CUDNN_ATTENTION.value:
+                return aten._scaled_dot_product_cudnn_attention.default(query, key, value, None, True, 0.0, is_causal,
+                                                                        False, scale=scale)[0]
+            return aten._scaled_dot_product_efficient_attention.default(query, key, value, None, True, 0.0, is_causal,
+                                                                        scale=scale)[0]
+    return torch._C._nn.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                                     enable_gqa=enable_gqa)
+
+
+def pin_sdpa(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of gm whose SDPA calls trace as `sdpa_as_eager_picks`, or gm where it has none."""
+    if not any(is_sdpa_call(n) for n in gm.graph.nodes):
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for n in graph.nodes:
+        if is_sdpa_call(n):
+            n.target = sdpa_as_eager_picks
+    return fx.GraphModule(gm, graph)

@@ -1,0 +1,152 @@
+"""SDPA calls in Dynamo's graph (fuser/sdpa_calls.py): a mask made from constants that keeps every key is
+dropped, any other mask kept; in training on CUDA, the fused kernel eager picks is pinned for the trace."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fuser
+from tolerances import tol
+
+DROPPED = "attention masks that keep every key dropped"
+B, S, H, D = 2, 37, 3, 16
+
+
+def _keep_all_arange(q):  # transformers' bidirectional mask under compile (5.17): q_index >= 0, expanded
+    s = q.shape[-2]
+    return (torch.arange(s, device=q.device)[None, None, :, None] >= 0).expand(q.shape[0], -1, s, s)
+
+
+KEEP_ALL = {
+    "arange >= 0, expanded": _keep_all_arange,
+    "additive zeros": lambda q: torch.zeros(q.shape[-2], q.shape[-2], device=q.device, dtype=q.dtype),
+    "ones as bool": lambda q: torch.ones(q.shape[-2], q.shape[-2], device=q.device).bool(),
+}
+MASKS_SOMETHING = {
+    "causal from aranges": lambda q: torch.arange(q.shape[-2], device=q.device)[:, None]
+    >= torch.arange(q.shape[-2], device=q.device)[None, :],
+    "additive -inf on key 3": lambda q: torch.where(torch.arange(q.shape[-2], device=q.device) == 3,
+                                                   float("-inf"), 0.0).to(q.dtype)[None, :],
+    "additive NaN on key 0": lambda q: torch.where(torch.arange(q.shape[-2], device=q.device) == 0,
+                                                  float("nan"), 0.0).to(q.dtype)[None, :],
+}
+
+
+_first = [0]  # the first report of the running test
+
+
+@pytest.fixture(autouse=True)
+def _own_reports():
+    _first[0] = len(fuser.reports())
+
+
+def _reports():
+    return fuser.reports()[_first[0]:]
+
+
+def _dropped() -> list[str]:
+    return [n for r in _reports() for n in r.notes if n.startswith(DROPPED)]
+
+
+def _qkv(device, grad=False):
+    """q, k, v: [B, H, S, D] viewed from [B, S, H, D] (not contiguous), as models make them."""
+    torch.manual_seed(0)
+    return [torch.randn(B, S, H, D, device=device).transpose(1, 2).requires_grad_(grad) for _ in range(3)]
+
+
+def _attention(make_mask):
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=make_mask(q)) * 1.5
+    return f
+
+
+def _check(f, device, train, dynamic=None):
+    q, k, v = _qkv(device, grad=train)
+    compiled = torch.compile(f, backend="fuser", dynamic=dynamic)
+    if not train:
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v), equal_nan=True, **tol(torch.float32))
+        return
+    w = torch.randn(B, H, S, D, device=device)
+    got = torch.autograd.grad((compiled(q, k, v) * w).sum(), (q, k, v))
+    want = torch.autograd.grad((f(q, k, v) * w).sum(), (q, k, v))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, equal_nan=True, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("mask", list(KEEP_ALL))
+def test_a_constant_mask_that_keeps_every_key_is_dropped(device, mask, train):
+    _check(_attention(KEEP_ALL[mask]), device, train)
+    notes = _dropped()
+    assert len(notes) == 1 and notes[0].startswith(f"{DROPPED}: 1 SDPA call"), notes
+    code = "\n".join(line for r in _reports() for line in r.code)
+    assert "arange" not in code and "ones" not in code and "zeros" not in code, code
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("mask", list(MASKS_SOMETHING))
+def test_a_mask_that_masks_a_key_is_kept(device, mask, train):
+    _check(_attention(MASKS_SOMETHING[mask]), device, train)
+    assert not _dropped()
+
+
+def test_a_mask_from_an_input_or_a_random_op_or_a_size_that_varies_is_kept(device):
+    """Only a value known at compile time is evaluated: an input's mask (all True here) stays, as does one
+    drawn from a generator (all True too, but evaluating it would move the generator), and one whose size
+    is symbolic."""
+    keep = torch.ones(S, S, dtype=torch.bool, device=device)
+    _check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=keep), device, False)
+    _check(_attention(lambda q: torch.rand(q.shape[-2], q.shape[-2], device=q.device) >= 0), device, False)
+    _check(_attention(_keep_all_arange), device, False, dynamic=True)
+    assert not _dropped()
+
+
+def test_a_dropped_mask_still_returned_is_kept_for_its_reader(device):
+    def f(q, k, v):
+        mask = _keep_all_arange(q)
+        return F.scaled_dot_product_attention(q, k, v, mask), mask
+    q, k, v = _qkv(device)
+    got, want = torch.compile(f, backend="fuser")(q, k, v), f(q, k, v)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, **tol(g.dtype))
+    assert len(_dropped()) == 1
+
+
+def test_mask_dropping_is_off_with_attention_off(device):
+    q, k, v = _qkv(device)
+    f = _attention(_keep_all_arange)
+    torch.testing.assert_close(torch.compile(f, backend="fuser", options={"attention": False})(q, k, v), f(q, k, v),
+                               **tol(torch.float32))
+    assert not _dropped()
+
+
+@pytest.mark.parametrize("mask", [None, "arange >= 0, expanded"])
+def test_sdpa_calls_run_the_kernel_eager_picks_in_training(device, mask):
+    """Attention over queries viewed from [B, S, H, D] (197 tokens, bf16, no mask or one that keeps every key):
+    traced with fake tensors SDPA takes its math path (fp32 matmuls, 5x slower) where real tensors take cuDNN
+    or flash; the claim pins the kernel eager picks, whose own backward AOT traces.  Gradients as eager's
+    either way, and the note exactly where the two choices differ."""
+    if device != "cuda":
+        pytest.skip("SDPA's fused kernels (and the trace's disagreement over them) are CUDA's")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fuser.sdpa_calls import eager_sdpa_choice
+    b, s, h, d = 32, 197, 12, 64  # the math path under fake tensors on an H200 (run 97)
+    proj = torch.nn.Linear(h * d, 3 * h * d, device=device, dtype=torch.bfloat16)
+
+    def f(x):
+        q, k, v = proj(x).view(b, s, 3, h, d).unbind(2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else KEEP_ALL[mask](q))
+        return o.float().square().mean()
+    x = torch.randn(b, s, h * d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    got = torch.autograd.grad(torch.compile(f, backend="fuser")(x), [x, proj.weight])
+    want = torch.autograd.grad(f(x), [x, proj.weight])
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, **tol(torch.bfloat16, scale=2))
+    q = torch.empty(b, s, 3, h, d, device=device, dtype=torch.bfloat16)[:, :, 0].transpose(1, 2).requires_grad_()
+    with FakeTensorMode() as mode:
+        fq = mode.from_tensor(q)
+        traced_choice = int(torch._fused_sdp_choice(fq, fq, fq))
+        eager_choice = eager_sdpa_choice(fq, fq, fq, False, None)
+    notes = [n for r in _reports() for n in r.notes if n.startswith("SDPA calls claimed")]
+    assert bool(notes) == (traced_choice != eager_choice and eager_choice != 0), (traced_choice, eager_choice, notes)
+    assert len(_dropped()) == (mask is not None)
