@@ -7,7 +7,8 @@ The model bench (models.py) says how fast each system is; this says why.  For ea
   (synchronisations, copies, launches that block on a full queue); without a profiler, the step
   back to back, the host's own time per step and the synchronising calls in one step;
 - host: cProfile over 20 steps (no synchronisation inside), the functions with the most own time
-  per step (only for systems without CUDA graphs, whose host work is the step's launches).
+  per step (for systems without CUDA graphs, whose host work is the step's launches; in training for all:
+  under CUDA graphs the host still runs autograd, the replays and the optimizer).
 
     python bench/breakdown.py --only llama-decode,gpt2 --systems fuser-cg,inductor-ro --out DIR
     python bench/breakdown.py --train --only llama-128k --systems inductor,fuser   # training steps
@@ -159,7 +160,7 @@ def main(argv=None):
             for system in systems:
                 torch._dynamo.reset()
                 try:
-                    out += cell(name, system, fns, with_host=system not in ("inductor-ro", "fuser-cg"))
+                    out += cell(name, system, fns, with_host=args.train or system not in ("inductor-ro", "fuser-cg"))
                 except Exception as e:  # noqa: BLE001 - one failure must not lose the rest
                     out += [f"### {name} / {system}: ERROR {M._first_line(e)}", ""]
                 print("\n".join(out[-60:]), flush=True)

@@ -6,10 +6,15 @@ Both matter for the same calls: transformers (5.17, under compile) passes ViT's 
 built from aranges (`q_index >= 0`, expanded); with a mask SDPA runs its memory-efficient kernel at best,
 and a mask also keeps the pin off.  A mask is dropped only where its value is known at compile time: made
 from no graph input (sizes static, no random op), evaluated once on real tensors, every element True
-(boolean) or 0 (additive).  A mask that depends on a size that varies, or on an input, stays."""
+(boolean) or 0 (additive).  A mask that depends on a size that varies or on an input stays, as does one
+written in place (Dynamo's graph is not functional: a write does not show among the mask's inputs), one
+made under autocast switched inside the graph, one that widens the output by broadcasting (eager raises
+there), and an `is_causal` call's (eager raises there)."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import operator
 import threading
 
 import torch
@@ -21,6 +26,7 @@ from torch.nn.attention import SDPBackend
 from .fold import FOLD_LIMIT_BYTES
 
 aten = torch.ops.aten
+log = logging.getLogger("fuser")
 
 _SDPA_CALLS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 _PRIVATE = {SDPBackend.FLASH_ATTENTION.value: "flash", SDPBackend.CUDNN_ATTENTION.value: "cuDNN",
@@ -32,32 +38,89 @@ def is_sdpa_call(n: fx.Node) -> bool:
 
 
 # ------------------------------------------------------------------------------------ masks that keep every key
-def _mask_of(n: fx.Node):
-    return n.kwargs["attn_mask"] if "attn_mask" in n.kwargs else n.args[3] if len(n.args) > 3 else None
+def _arg(n: fx.Node, i: int, name: str, default=None):
+    return n.kwargs[name] if name in n.kwargs else n.args[i] if len(n.args) > i else default
+
+
+_IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+             operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+             operator.irshift, operator.imatmul}
+
+
+def _writes(n: fx.Node) -> list:
+    """The tensors `n` writes in place (Dynamo's graph keeps in-place methods, setitem and out=)."""
+    if n.op == "call_method" and n.target.endswith("_"):
+        return n.args[:1]
+    if n.op != "call_function":
+        return []
+    t = n.target
+    if t in _IN_PLACE or getattr(t, "__name__", "").endswith("_") \
+            or (isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable):
+        return n.args[:1]
+    return [n.kwargs["out"]] if "out" in n.kwargs else []
+
+
+def _ancestors(nodes) -> set:
+    seen, stack = set(), [a for a in nodes if isinstance(a, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _plain(n: fx.Node) -> bool:
+    """A tensor method or a function of torch, operator or builtins (not a user's function Dynamo allowed in
+    the graph, which could do anything when run at compile time)."""
+    if n.op == "call_method":
+        return not n.target.endswith("_")
+    module = getattr(n.target, "__module__", None) or ""
+    return n.op == "call_function" and (module.split(".")[0] in ("torch", "_operator", "operator", "builtins")
+                                        or n.target in (operator.getitem,))
 
 
 def _made_of(node: fx.Node) -> list[fx.Node] | None:
     """`node` and what it is computed from, in graph order, or None where any of it is a graph input, an
-    attribute, a value of no static size, or past the fold limit."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    attribute, not a plain op, a value of no static size, or past the fold limit."""
+    made = _ancestors([node])
+    for n in made:
         v = n.meta.get("example_value")
-        if n.op not in ("call_function", "call_method") or v is None:
+        if not _plain(n) or v is None:
             return None
         if isinstance(v, torch.Tensor) and (not all(isinstance(s, int) for s in v.shape)
                                             or v.untyped_storage().nbytes() > FOLD_LIMIT_BYTES):
             return None
-        stack.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
+    return [n for n in node.graph.nodes if n in made]
+
+
+def _droppable(call: fx.Node, mask: fx.Node) -> list[fx.Node] | None:
+    """The nodes the mask is made of, where dropping it keeps the call's meaning (the module docstring's
+    rules), else None."""
+    if _arg(call, 5, "is_causal", False) is not False:
+        return None
+    q, k = (_arg(call, i, name) for i, name in ((0, "query"), (1, "key")))
+    qv, kv, mv = (getattr(a, "meta", {}).get("example_value") for a in (q, k, mask))
+    if not all(isinstance(v, torch.Tensor) for v in (qv, kv, mv)):
+        return None
+    scores = (*qv.shape[:-1], kv.shape[-2])
+    if tuple(torch.broadcast_shapes(scores, mv.shape)) != tuple(scores):
+        return None
+    nodes = _made_of(mask)
+    if nodes is None:
+        return None
+    made = set(nodes)
+    for n in call.graph.nodes:
+        if "autocast" in getattr(n.target, "__name__", ""):
+            return None
+        if (written := _writes(n)) and _ancestors(written) & made:
+            return None
+    return nodes
 
 
 def _value(gm: fx.GraphModule, nodes: list[fx.Node]) -> torch.Tensor | None:
-    """The last of `nodes` computed on real tensors, or None where any op draws random numbers (checked on a
-    trace with fake tensors first, so no generator moves) or the computation fails."""
+    """The last of `nodes` computed on real tensors, or None where any op draws random numbers or is not ATen's
+    (checked on a trace with fake tensors first, so no generator moves) or the computation fails."""
     graph, env = fx.Graph(), {}
     for n in nodes:
         env[n] = graph.node_copy(n, lambda a: env[a])
@@ -65,9 +128,10 @@ def _value(gm: fx.GraphModule, nodes: list[fx.Node]) -> torch.Tensor | None:
     try:
         with disable_proxy_modes_tracing(), unset_fake_temporarily():
             traced = make_fx(fx.GraphModule(gm, graph), tracing_mode="fake")()
-            if any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
-                   for n in traced.graph.nodes):
-                return None
+            ops = [n.target for n in traced.graph.nodes if n.op == "call_function"]
+            if any(not isinstance(t, torch._ops.OpOverload) or t.namespace not in ("aten", "prims")
+                   or torch.Tag.nondeterministic_seeded in t.tags for t in ops if t is not operator.getitem):
+                return None  # random numbers, a collective, a custom op: not run at compile time
             value = traced()
     except Exception:  # noqa: BLE001 - a mask we cannot evaluate is kept
         return None
@@ -96,11 +160,16 @@ def drop_keep_all_masks(gm: fx.GraphModule) -> list[str]:
     """Each SDPA call's mask dropped where it keeps every key (module docstring); notes for the report."""
     dropped = 0
     for n in list(gm.graph.nodes):
-        mask = _mask_of(n) if is_sdpa_call(n) else None
-        if not isinstance(mask, fx.Node) or (nodes := _made_of(mask)) is None:
+        mask = _arg(n, 3, "attn_mask") if is_sdpa_call(n) else None
+        if not isinstance(mask, fx.Node):
             continue
-        value = _value(gm, nodes)
-        if value is None or not _keeps_every_key(value):
+        try:
+            nodes = _droppable(n, mask)
+            value = None if nodes is None else _value(gm, nodes)
+            if value is None or not _keeps_every_key(value):
+                continue
+        except Exception as e:  # noqa: BLE001 - a mask we cannot reason about is kept, the graph compiled
+            log.debug("fuser: SDPA mask %s kept: %s: %s", mask.name, type(e).__name__, e)
             continue
         if "attn_mask" in n.kwargs:
             n.update_kwarg("attn_mask", None)

@@ -150,3 +150,69 @@ def test_sdpa_calls_run_the_kernel_eager_picks_in_training(device, mask):
     notes = [n for r in _reports() for n in r.notes if n.startswith("SDPA calls claimed")]
     assert bool(notes) == (traced_choice != eager_choice and eager_choice != 0), (traced_choice, eager_choice, notes)
     assert len(_dropped()) == (mask is not None)
+
+
+def _written_in_place(kind):
+    def f(q, k, v):
+        s = q.shape[-2]
+        if kind == "tril_":
+            m = torch.ones(s, s, dtype=torch.bool, device=q.device)
+            m.tril_()
+        elif kind == "setitem":
+            m = torch.zeros(s, s, device=q.device)
+            m[:, 3] = float("-inf")
+        elif kind == "masked_fill_":
+            m = torch.zeros(s, s, device=q.device)
+            m.masked_fill_(torch.arange(s, device=q.device)[None, :] > torch.arange(s, device=q.device)[:, None], -1e4)
+        elif kind == "out=":
+            m = torch.zeros(s, s, device=q.device)
+            torch.add(m, torch.full((s, s), -1e4, device=q.device).triu(1), out=m)
+        elif kind == "a view's base":
+            base = torch.ones(s, s + 5, dtype=torch.bool, device=q.device)
+            m = base[:, :s]
+            base[:, 3] = False
+        else:  # "zero_, its base read after": dropping must not erase the write
+            t = torch.full((s, s), 5.0, device=q.device)
+            m = t.zero_()
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m) + t.sum()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    return f
+
+
+@pytest.mark.parametrize("kind", ["tril_", "setitem", "masked_fill_", "out=", "a view's base", "zero_, its base read after"])
+def test_a_mask_written_in_place_is_kept(device, kind):
+    """Dynamo's graph is not functional: the mask's node is the tensor as made, the write a node of its own that
+    the call does not read.  Evaluated alone, these masks keep every key; written, they do not."""
+    _check(_written_in_place(kind), device, False)
+    assert not _dropped()
+
+
+def test_a_mask_made_under_autocast_in_the_graph_is_kept(device):
+    """A mask 0 in fp32 but not under autocast's 16-bit matmul: evaluated without the autocast the graph
+    switches on, it would look all-keep."""
+    def f(q, k, v):
+        row = torch.tensor([[257.0] + [256.0] * (q.shape[-2] - 1)], device=q.device)
+        with torch.autocast(q.device.type, dtype=torch.bfloat16):
+            m = (torch.mm(torch.ones(1, 1, device=q.device), row) - row).float()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    _check(f, device, False)
+    assert not _dropped()
+
+
+def test_a_mask_that_widens_the_output_or_comes_with_is_causal_is_kept(device):
+    """Eager raises for both (a mask broadcast past the scores' shape; a mask with is_causal on its math path):
+    dropping the mask would answer where eager does not."""
+    q, k, v = (torch.randn(3, S, D, device=device) for _ in range(3))
+
+    def wide(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(2, 3, S, S, dtype=torch.bool, device=q.device))
+
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_keep_all_arange(q), is_causal=True)
+    for f in (wide, causal):
+        torch._dynamo.reset()
+        try:
+            torch.compile(f, backend="fuser")(q, k, v)
+        except Exception:  # noqa: BLE001 - raising, as eager does, is right; answering from a dropped mask is not
+            pass
+    assert not _dropped()

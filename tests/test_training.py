@@ -773,3 +773,32 @@ def test_a_small_constant_made_from_a_large_one_is_saved_not_the_large_one(devic
     (want,) = torch.autograd.grad(f(x), x)
     torch.testing.assert_close(got, want, **tol(torch.float32))
     assert max(saved, default=0) <= 512, saved
+
+
+def test_a_claimed_graph_keeps_its_parameters_static(device, monkeypatch):
+    """pregrad.claim traces Dynamo's graph again; AOT Autograd reads which inputs are parameters (the static inputs
+    CUDA graphs read in place) from Dynamo's attributes on the graph and its placeholders.  Lost, none was static:
+    every weight was copied into the CUDA graph's buffers before each replay (run 101)."""
+    from fuser import backend
+    seen = []
+
+    def spy(gm, n_dynamo, n_inputs, backward, *rest):
+        static = backend_static(gm, n_dynamo, n_inputs, backward, *rest)
+        seen.append((backward, static))
+        return static
+    backend_static = backend.static_inputs
+    monkeypatch.setattr(backend, "static_inputs", spy)
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.GELU(), torch.nn.LayerNorm(32)).to(device)
+    head = torch.nn.Linear(32, 53, bias=False).to(device)
+
+    def loss(x, y):
+        return torch.nn.functional.cross_entropy(head(body(x)), y)
+    x, y = torch.randn(37, 24, device=device), torch.randint(0, 53, (37,), device=device)
+    first = len(fuser.reports())
+    got = torch.compile(loss, backend="fuser")(x, y)
+    torch.testing.assert_close(got, loss(x, y), **tol(torch.float32))
+    notes = [n for r in fuser.reports()[first:] for n in r.notes]
+    assert any(n.startswith("linear + cross-entropy claimed before autograd") for n in notes), notes
+    (forward,) = [s for b, s in seen if not b]
+    assert len(forward) == len(list(body.parameters())) + len(list(head.parameters())), forward
