@@ -22,7 +22,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .pipeline import compile_graph
 from .pregrad import claim
-from .sdpa_calls import drop_keep_all_masks
+from .sdpa_calls import contiguous_masks, drop_keep_all_masks
 from .decompositions import decompositions
 from .fold import recompute_constants
 from .runtime import CudaGraphs, EagerCheckError, NotForTheseSizes, cuda_graph_refusal, static_inputs, write_over_donated
@@ -188,13 +188,12 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
     opts = validate(options)
 
     n_dynamo_inputs = [0]  # of the graph Dynamo gave (set per graph, below)
-    dynamo_static: list[int] = []  # which of its inputs are parameters and buffers (set per graph, below)
     claimed: list[str] = []  # what pregrad.claim did to the graph being compiled, for its forward's report
 
     def compiler(backward: bool, inference: bool = False):
         def compile_(gm, example_inputs):
             index = len(_reports)
-            static = static_inputs(gm, n_dynamo_inputs[0], len(example_inputs), backward, dynamo_static)  # params, buffers
+            static = static_inputs(gm, n_dynamo_inputs[0], len(example_inputs), backward)  # params, buffers
             given = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # compile_graph rewrites gm in place
             try:
                 new, report = compile_graph(gm, graph_index=index, attention=opts["attention"] if not backward else False,
@@ -228,12 +227,10 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
 
     def backend(gm, example_inputs):
         n_dynamo_inputs[0] = len(example_inputs)
-        dynamo_static[:] = [i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
-                            if n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
         dropped: list[str] = []
         given = gm  # Dynamo's graph, what runs if AOT Autograd fails on the claimed one
         try:
-            dropped = drop_keep_all_masks(gm) if opts["attention"] is not False else []  # in place: `given` too
+            dropped = drop_keep_all_masks(gm) + contiguous_masks(gm) if opts["attention"] is not False else []  # in place: `given` too
             claimed[:] = dropped
             if opts["attention"] is True or opts["fused_loss"] or opts["dropout"]:
                 gm, notes = _claimed(gm, example_inputs, opts["attention"] is True, opts["fused_loss"], opts["dropout"])

@@ -29,6 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
+from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -173,9 +174,27 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
     for given, new in zip([n for n in gm.graph.nodes if n.op == "placeholder"],
                           [n for n in traced.graph.nodes if n.op == "placeholder"]):
         new.meta.update({k: v for k, v in given.meta.items() if k not in new.meta})  # Dynamo's input facts
+        if hasattr(given, "_dynamo_source"):
+            new._dynamo_source = given._dynamo_source
     traced.meta.update(gm.meta)
+    _keep_sources(gm, traced)
     traced.recompile()
     return traced, notes
+
+
+def _keep_sources(gm: fx.GraphModule, traced: fx.GraphModule) -> None:
+    """Dynamo's map from lifted tensors to their sources, carried to the traced graph.  AOT Autograd reads from it
+    (and the placeholders' `_dynamo_source`) which inputs are parameters and buffers, its static_input_indices, which
+    CUDA graphs read in place; without it, it takes the graph for an export's, none static, and cudagraph trees copied
+    every weight in before each replay (40 copies a llama-gqa training step, run 101).  The tensor constants the
+    trace lifted (make_fx's `_tensor_constant<i>`) get a source each: AOT asserts one for every lifted tensor."""
+    sources = getattr(gm, "_param_name_to_source", None)
+    if sources is None:
+        return
+    sources = dict(sources)
+    for name, _ in [*traced.named_parameters(remove_duplicate=False), *traced.named_buffers(remove_duplicate=False)]:
+        sources.setdefault(name, ConstantSource(f"fuser_claim_{name}"))
+    traced._param_name_to_source = sources
 
 
 def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:

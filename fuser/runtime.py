@@ -1131,22 +1131,18 @@ def aliased(n, members) -> frozenset:
 CUDA_GRAPH_SIZES = 8  # distinct size keys a graph records CUDA graphs for; calls at sizes past these run plainly
 
 
-def static_inputs(gm, n_dynamo_inputs: int, n_inputs: int, backward: bool, dynamo_static=()) -> list:
+def static_inputs(gm, n_dynamo_inputs: int, n_inputs: int, backward: bool) -> list:
     """Inputs whose address is fixed from call to call (parameters, buffers; in a backward, what the
     forward saved): CUDA-graph replay reads them in place instead of copying them in.  As Inductor's
-    get_static_input_idxs (inlined: importing compile_fx for five lines costs seconds), and also the
-    inputs Dynamo marked (`dynamo_static`: positions among Dynamo's graph inputs, which follow what AOT
-    Autograd lifted).  AOT Autograd reads those marks from Dynamo's graph; the graph pregrad.claim traced
-    again has lost them, and without them every weight was copied into the CUDA graph's buffers before
-    each replay (40 copies a llama-gqa training step, run 101)."""
+    get_static_input_idxs (inlined: importing compile_fx for five lines costs seconds): AOT Autograd's
+    own indices, which follow its tokens, subclasses and synthetic bases (pregrad.claim keeps the marks
+    they are read from)."""
     if backward:
         return list(range(count_tangents(gm)))
-    fixed = num_fw_fixed_arguments(n_dynamo_inputs, n_inputs)
-    static = set(range(fixed)) | {fixed + i for i in dynamo_static}
     context = torch._guards.TracingContext.try_get()
     if context is not None and context.fw_metadata is not None:
-        static |= set(context.fw_metadata.static_input_indices)
-    return sorted(i for i in static if i < n_inputs)
+        return list(context.fw_metadata.static_input_indices)
+    return list(range(num_fw_fixed_arguments(n_dynamo_inputs, n_inputs)))
 
 
 def cuda_graph_refusal(gm, static: list) -> str | None:

@@ -216,3 +216,26 @@ def test_a_mask_that_widens_the_output_or_comes_with_is_causal_is_kept(device):
         except Exception:  # noqa: BLE001 - raising, as eager does, is right; answering from a dropped mask is not
             pass
     assert not _dropped()
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_a_mask_with_a_strided_last_dimension_is_laid_out_for_the_fused_kernels(device, train):
+    """T5's position bias: a learned [1, H, S, S] bias viewed from [1, S, S, H], so its last dimension is strided;
+    SDPA's fused kernels need it contiguous (eager takes the math path).  On CUDA it is copied first (the note);
+    values and gradients (the bias's too) as eager's; on CPU nothing changes."""
+    bias = torch.randn(1, S, S, H, device=device, requires_grad=train)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.permute(0, 3, 1, 2)) * 1.5
+    q, k, v = _qkv(device, grad=train)
+    compiled = torch.compile(f, backend="fuser")
+    if train:
+        w = torch.randn(B, H, S, D, device=device)
+        got = torch.autograd.grad((compiled(q, k, v) * w).sum(), (q, k, v, bias))
+        want = torch.autograd.grad((f(q, k, v) * w).sum(), (q, k, v, bias))
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, **tol(torch.float32, scale=10))  # the fused kernel's sums against math's
+    else:
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v), **tol(torch.float32, scale=10))
+    notes = [n for r in _reports() for n in r.notes if n.startswith("attention masks laid out for SDPA's fused kernels")]
+    assert len(notes) == (device == "cuda"), notes
