@@ -42,6 +42,13 @@ def _arg(n: fx.Node, i: int, name: str, default=None):
     return n.kwargs[name] if name in n.kwargs else n.args[i] if len(n.args) > i else default
 
 
+def _set_mask(call: fx.Node, mask) -> None:
+    if "attn_mask" in call.kwargs:
+        call.update_kwarg("attn_mask", mask)
+    else:
+        call.update_arg(3, mask)
+
+
 _IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
              operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
              operator.irshift, operator.imatmul}
@@ -171,10 +178,7 @@ def drop_keep_all_masks(gm: fx.GraphModule) -> list[str]:
         except Exception as e:  # noqa: BLE001 - a mask we cannot reason about is kept, the graph compiled
             log.debug("fuser: SDPA mask %s kept: %s: %s", mask.name, type(e).__name__, e)
             continue
-        if "attn_mask" in n.kwargs:
-            n.update_kwarg("attn_mask", None)
-        else:
-            n.update_arg(3, None)
+        _set_mask(n, None)
         _erase_unused(mask)
         dropped += 1
     if not dropped:
@@ -224,10 +228,7 @@ def contiguous_masks(gm: fx.GraphModule) -> list[str]:
         except Exception as e:  # noqa: BLE001 - a mask we cannot reason about is left as it is
             log.debug("fuser: SDPA mask %s left as it is: %s: %s", mask.name, type(e).__name__, e)
             continue
-        if "attn_mask" in n.kwargs:
-            n.update_kwarg("attn_mask", laid)
-        else:
-            n.update_arg(3, laid)
+        _set_mask(n, laid)
         copied += 1
     if not copied:
         return []
