@@ -174,8 +174,6 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
     for given, new in zip([n for n in gm.graph.nodes if n.op == "placeholder"],
                           [n for n in traced.graph.nodes if n.op == "placeholder"]):
         new.meta.update({k: v for k, v in given.meta.items() if k not in new.meta})  # Dynamo's input facts
-        if hasattr(given, "_dynamo_source"):
-            new._dynamo_source = given._dynamo_source
     traced.meta.update(gm.meta)
     _keep_sources(gm, traced)
     traced.recompile()
@@ -188,6 +186,9 @@ def _keep_sources(gm: fx.GraphModule, traced: fx.GraphModule) -> None:
     CUDA graphs read in place; without it, it takes the graph for an export's, none static, and cudagraph trees copied
     every weight in before each replay (40 copies a llama-gqa training step, run 101).  The tensor constants the
     trace lifted (make_fx's `_tensor_constant<i>`) get a source each: AOT asserts one for every lifted tensor."""
+    for given, new in zip(gm.graph.find_nodes(op="placeholder"), traced.graph.find_nodes(op="placeholder")):
+        if hasattr(given, "_dynamo_source"):
+            new._dynamo_source = given._dynamo_source
     sources = getattr(gm, "_param_name_to_source", None)
     if sources is None:
         return

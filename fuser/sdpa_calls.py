@@ -101,9 +101,23 @@ def _made_of(node: fx.Node) -> list[fx.Node] | None:
     return [n for n in node.graph.nodes if n in made]
 
 
-def _droppable(call: fx.Node, mask: fx.Node) -> list[fx.Node] | None:
+def _masked_calls(gm: fx.GraphModule):
+    """(SDPA call, its mask's node) for each call whose mask the graph computes, in graph order."""
+    for n in list(gm.graph.nodes):
+        mask = _arg(n, 3, "attn_mask") if is_sdpa_call(n) else None
+        if isinstance(mask, fx.Node):
+            yield n, mask
+
+
+def _written(graph: fx.Graph) -> set:
+    """The nodes a tensor the graph writes in place is computed from, the written ones among them: a mask
+    among them may not be at the call what its node's example value says."""
+    return _ancestors([t for n in graph.nodes for t in _writes(n)])
+
+
+def _droppable(call: fx.Node, mask: fx.Node, written: set) -> list[fx.Node] | None:
     """The nodes the mask is made of, where dropping it keeps the call's meaning (the module docstring's
-    rules), else None."""
+    rules; `written`: _written of the graph, which has no autocast switched inside), else None."""
     if _arg(call, 5, "is_causal", False) is not False:
         return None
     q, k = (_arg(call, i, name) for i, name in ((0, "query"), (1, "key")))
@@ -114,15 +128,7 @@ def _droppable(call: fx.Node, mask: fx.Node) -> list[fx.Node] | None:
     if tuple(torch.broadcast_shapes(scores, mv.shape)) != tuple(scores):
         return None
     nodes = _made_of(mask)
-    if nodes is None:
-        return None
-    made = set(nodes)
-    for n in call.graph.nodes:
-        if "autocast" in getattr(n.target, "__name__", ""):
-            return None
-        if (written := _writes(n)) and _ancestors(written) & made:
-            return None
-    return nodes
+    return None if nodes is None or written.intersection(nodes) else nodes
 
 
 def _value(gm: fx.GraphModule, nodes: list[fx.Node]) -> torch.Tensor | None:
@@ -165,13 +171,13 @@ def _erase_unused(node: fx.Node) -> None:
 
 def drop_keep_all_masks(gm: fx.GraphModule) -> list[str]:
     """Each SDPA call's mask dropped where it keeps every key (module docstring); notes for the report."""
-    dropped = 0
-    for n in list(gm.graph.nodes):
-        mask = _arg(n, 3, "attn_mask") if is_sdpa_call(n) else None
-        if not isinstance(mask, fx.Node):
-            continue
+    calls = list(_masked_calls(gm))
+    if not calls or any("autocast" in getattr(n.target, "__name__", "") for n in gm.graph.nodes):
+        return []  # a mask made under autocast switched inside the graph would be evaluated without it
+    dropped, written = 0, _written(gm.graph)
+    for n, mask in calls:
         try:
-            nodes = _droppable(n, mask)
+            nodes = _droppable(n, mask, written)
             value = None if nodes is None else _value(gm, nodes)
             if value is None or not _keeps_every_key(value):
                 continue
@@ -209,14 +215,12 @@ def contiguous_masks(gm: fx.GraphModule) -> list[str]:
     size once.  Notes for the report."""
     copied, laid_out = 0, {}  # a mask read by several calls (T5's bias, every layer's) is copied once
     written = None
-    for n in list(gm.graph.nodes):
-        mask = _arg(n, 3, "attn_mask") if is_sdpa_call(n) else None
-        v = mask.meta.get("example_value") if isinstance(mask, fx.Node) else None
+    for n, mask in _masked_calls(gm):
+        v = mask.meta.get("example_value")
         try:
             if not _strided_mask(v):
                 continue
-            if written is None:  # what the graph writes in place: its example value may not be the mask at the call
-                written = _ancestors([t for m in gm.graph.nodes for t in _writes(m)])
+            written = _written(gm.graph) if written is None else written
             if mask in written:
                 continue
             laid = laid_out.get(mask)
