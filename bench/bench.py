@@ -95,6 +95,18 @@ class WeightGrad(nn.Module):
         return (grad * x).sum(0)
 
 
+class EmbeddingGrad(nn.Module):
+    """A word embedding's gradient as the backward graph holds it: the gradient rows of each token id summed
+    into a [vocabulary, width] table (fuser/embedding.py scatters them; Inductor's index_put)."""
+
+    def __init__(self, vocabulary: int):
+        super().__init__()
+        self.vocabulary = vocabulary
+
+    def forward(self, grad, ids):
+        return torch.ops.aten.embedding_dense_backward(grad, ids, self.vocabulary, -1, False)
+
+
 class CrossEntropy(nn.Module):
     def forward(self, logits, target):
         return F.cross_entropy(logits.float(), target)
@@ -176,6 +188,14 @@ def _cross_entropy(quick, device):
     return Case(_on(CrossEntropy(), device), (_randn((n, v), device), target), f"{n}×{v}")
 
 
+def _embedding_grad(n, v, d):
+    def build(quick, device):
+        n_, v_, d_ = (256, 5000, 64) if quick else (n, v, d)
+        ids = torch.randint(0, v_, (n_,), device=device)
+        return Case(_on(EmbeddingGrad(v_), device), (_randn((n_, d_), device), ids), f"{n_} ids -> {v_}×{d_}")
+    return build
+
+
 def _llama_block(quick, device):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -223,6 +243,8 @@ ROWS = [
     Row("SwiGLU gate", _swiglu),
     Row("norm weight gradient (column sum)", _weight_grad),
     Row("cross-entropy", _cross_entropy),
+    Row("word embedding gradient (bert)", _embedding_grad(2048, 30522, 768)),
+    Row("word embedding gradient (128K vocabulary)", _embedding_grad(8192, 128256, 2048)),
     Row("LlamaDecoderLayer (whole block)", _llama_block),
     Row("BatchNorm + ReLU, eval, NCHW", _bn_relu(False)),
     Row("BatchNorm + ReLU, eval, channels_last", _bn_relu(True)),

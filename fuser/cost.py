@@ -152,14 +152,17 @@ EAGER_EMBEDDING_FEATURE_MAX = 3072
 EAGER_EMBEDDING_SORT_LAUNCHES = 15
 
 
-def embedding_grad_times(n: int, v: int, d: int, e: int) -> tuple[float, float]:
-    """(our one-hot kernel's modelled seconds, eager's) for the gradient of a [v, d] table of e-byte elements
-    over n indices.  Ours reads the gradient once per block of table rows (and its fp32 partials once
-    more where the indices are split); eager reads it once and writes the table twice (fill, then rows)."""
+def embedding_grad_times(n: int, v: int, d: int, e: int) -> tuple[float, float, float]:
+    """(our one-hot kernel's modelled seconds, our scatter's, eager's) for the gradient of a [v, d] table of
+    e-byte elements over n indices.  The one-hot kernel reads the gradient once per block of table rows (and
+    its fp32 partials once more where the indices are split); the scatter writes the table once (and the
+    indexed rows again), with fp32 sums of the gradient rows zeroed, added into and read; eager reads the
+    gradient once and writes the table twice (fill, then rows)."""
     plan = embedding_grad_plan(n, v, d)
     pv, _, split = plan.programs(v, d)
     partials = 2 * split * v * d * 4 if split > 1 else 0
-    ours = (pv * n * (d * e + 8) + partials + v * d * e) / HBM_BYTES_PER_S + (1 + (split > 1)) * LAUNCH_S
+    one_hot = (pv * n * (d * e + 8) + partials + v * d * e) / HBM_BYTES_PER_S + (1 + (split > 1)) * LAUNCH_S
+    scatter = (v * d * e + 2 * n * d * e + 16 * n * d + 36 * n) / HBM_BYTES_PER_S + 3 * LAUNCH_S
     fixed = EAGER_EMBEDDING_FEATURE_S + 2 * LAUNCH_S if n <= EAGER_EMBEDDING_FEATURE_MAX \
         else EAGER_EMBEDDING_SORT_LAUNCHES * LAUNCH_S
-    return ours, (n * (d * e + 8) + 2 * v * d * e) / HBM_BYTES_PER_S + fixed
+    return one_hot, scatter, (n * (d * e + 8) + 2 * v * d * e) / HBM_BYTES_PER_S + fixed

@@ -1,54 +1,82 @@
-"""An embedding's gradient over a small table (positions, token types, relative-position buckets) as our kernel.
+"""An embedding's gradient as our kernels: one-hot products over a small table, scattered rows over a large one.
 
 aten.embedding_dense_backward stays whole in the graph (ops.KEEP_WHOLE: decomposed, it is an index_put with
-accumulate).  Eager runs it as a fill of the table and either a feature kernel (up to 3072 indices: 54-76 us a
-call on an H200 whatever the table, run 70) or a sort of the indices and segment sums (~15 launches: T5's
-relative bias, 65536 indices into 32 buckets).  For a small table, one-hot rows times the gradient rows
+accumulate).  Eager runs it as a fill of the table and either a feature kernel (up to 3072 indices: 54-90 us a
+call on an H200 whatever the table, runs 70 and 104) or a sort of the indices and segment sums (~15 launches:
+T5's relative bias, 65536 indices into 32 buckets).  For a small table, one-hot rows times the gradient rows
 (codegen/embedding.py) is one launch (two where the indices are split across programs), exact in fp32 and
-deterministic.  The cost model picks, per call site (cost.embedding_grad_times): a word embedding's table
-(tens of thousands of rows) stays with eager, whose cost does not grow with a block of rows re-reading
-the gradient.  Not taken: scale_grad_by_freq, symbolic sizes, and bf16 on CPU (the interpreter's tl.dot
-is wrong in bf16).
+deterministic.  For a large one (a vocabulary), the rows are scattered: the table written once, three launches,
+the sums of a repeated index in fp32 by atomics (so not bit-for-bit the same run to run: as Inductor's; under
+torch.use_deterministic_algorithms the large tables stay with eager's deterministic kernels).  The cost model
+picks, per call site (cost.embedding_grad_times).  Not taken: scale_grad_by_freq, symbolic sizes, and the
+one-hot kernel in bf16 on CPU (the interpreter's tl.dot is wrong in bf16).
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
 import torch.fx as fx
 
-from fuser.codegen.embedding import DTYPES, KERNEL, SUM_KERNEL, prepare, prepare_sum, source
+from fuser.codegen.embedding import DTYPES, KERNEL, SUM_KERNEL, prepare, prepare_scatter, prepare_sum, source
 
 from . import dtypes
 from .cost import embedding_grad_times
 from .graph import OWN_CALL, meta, static_shape
-from .plan import embedding_grad_plan
-from .runtime import launch
+from .plan import embedding_grad_plan, scatter_plan
+from .runtime import current, launch
 
 aten = torch.ops.aten
-MAX_ROWS = 4096  # tables past this stay eager whatever the model says (its fill and reads grow with them)
+MAX_ROWS = 4096  # tables past this never take the one-hot kernel (it reads the gradient once per 64 rows)
 
 
 def embedding_dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
                              scale_grad_by_freq: bool) -> torch.Tensor:
-    """aten.embedding_dense_backward's value, by our kernels: the [num_weights, D] sum of the gradient
+    """aten.embedding_dense_backward's value by the one-hot kernel: the [num_weights, D] sum of the gradient
     rows of each index, rows whose index is padding_idx left out."""
+    return _grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq, scattered=False)
+
+
+def embedding_dense_backward_scattered(grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
+                                       padding_idx: int, scale_grad_by_freq: bool) -> torch.Tensor:
+    """The same value by the scatter kernels (a large table)."""
+    return _grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq, scattered=True)
+
+
+def embedding_dense_backward_added(other: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
+                                   padding_idx: int, scale_grad_by_freq: bool) -> torch.Tensor:
+    """`other.add_(aten.embedding_dense_backward(...))` by the scatter kernels, without the table of zeros: the
+    rows added to `other` in place (a tied embedding's gradient and the output layer's: add_rows_in_place)."""
+    return _grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq, scattered=True, into=other)
+
+
+def _grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq, scattered: bool, into=None):
     d, n = grad.shape[-1], indices.numel()
+    if into is not None and not (into.shape == (num_weights, d) and into.dtype == grad.dtype and into.is_contiguous()
+                                 and into.device == grad.device):
+        return into.add_(aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, scale_grad_by_freq))
     if num_weights == 0 or d == 0:  # nothing to sum: eager's CUDA kernel reads past a [V, 0] table (illegal access)
-        return grad.new_zeros(num_weights, d)
-    if not _ours(grad, n, num_weights, d) or scale_grad_by_freq:  # `lower` routes none of these here
-        return aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    out = grad.new_empty(num_weights, d)
+        return grad.new_zeros(num_weights, d) if into is None else into
+    if not _ours(grad, n, num_weights, d, scattered) or scale_grad_by_freq:  # `lower` routes none of these here
+        eager = aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+        return eager if into is None else into.add_(eager)
+    out = grad.new_empty(num_weights, d) if into is None else into
     if n == 0:
-        return out.zero_()
+        return out.zero_() if into is None else out
     g2 = grad.reshape(n, d)
     g2 = g2 if g2.stride(-1) == 1 or d == 1 else g2.contiguous()
     idx = indices.reshape(-1).contiguous()
-    plan = embedding_grad_plan(n, num_weights, d)
     device = grad.device.type
-    with dtypes.target(device):
-        src = source(grad.dtype)
-    with torch.cuda.device(grad.device) if grad.is_cuda else contextlib.nullcontext():  # launches go to the current one
+    src = _source(grad.dtype, device)
+    with current(grad.device):
+        if scattered:
+            slot = torch.empty(num_weights, dtype=torch.int32, device=grad.device)
+            acc = torch.empty(n, d, dtype=torch.float32, device=grad.device)
+            for name, grid, args, config in prepare_scatter(g2, idx, slot, acc, out, padding_idx, scatter_plan(d),
+                                                            accumulate=into is not None):
+                launch(src, name, grid, args, config, device)
+            return out
+        plan = embedding_grad_plan(n, num_weights, d)
         if plan.split == 1:
             grid, args, config = prepare(g2, idx, out, num_weights, padding_idx, plan, partial=False)
             launch(src, KERNEL, grid, args, config, device)
@@ -61,15 +89,21 @@ def embedding_dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weig
     return out
 
 
-def _ours(grad: torch.Tensor, n: int, v: int, d: int) -> bool:
-    """What the kernels take: a float gradient on CUDA (on CPU, not bf16: the interpreter's tl.dot is wrong
-    there), a table with rows and columns, offsets within int32 (n * D, V * D)."""
-    device_ok = grad.device.type == "cuda" or (grad.device.type == "cpu" and grad.dtype != torch.bfloat16)
+@functools.cache
+def _source(dtype: torch.dtype, device_type: str) -> str:
+    with dtypes.target(device_type):
+        return source(dtype)
+
+
+def _ours(grad: torch.Tensor, n: int, v: int, d: int, scattered: bool) -> bool:
+    """What the kernels take: a float gradient on CUDA or CPU (the one-hot kernel not bf16 on CPU: the
+    interpreter's tl.dot is wrong there), a table with rows and columns, offsets within int32 (n * D, V * D)."""
+    device_ok = grad.device.type == "cuda" or (grad.device.type == "cpu" and (scattered or grad.dtype != torch.bfloat16))
     return grad.dtype in DTYPES and device_ok and v > 0 and d > 0 and n * d < 2**31 and v * d < 2**31
 
 
 def lower(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
-    """Marks each embedding gradient of gm our kernel takes (the wrapper then calls `embedding_dense_backward`:
+    """Marks each embedding gradient of gm our kernels take (the wrapper then calls ours:
     runtime.fast_calls); returns (node, a line for the report) for each."""
     out = []
     for n in gm.graph.nodes:
@@ -77,29 +111,60 @@ def lower(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
             continue
         why = _taken(n)
         if why is not None:
-            n.meta[OWN_CALL] = embedding_dense_backward
             out.append((n, why))
     return out
 
 
 def _taken(n: fx.Node) -> str | None:
+    """The report's line for an embedding gradient our kernels take (and the call set on the node), or None."""
     if n.kwargs or len(n.args) != 5:
         return None
     grad, indices, num_weights, _, scale = n.args
     g, i = meta(grad), meta(indices)
     if scale or g is None or i is None or not isinstance(num_weights, int):
         return None
-    if i.dtype not in (torch.int32, torch.int64) or num_weights > MAX_ROWS or g.dim() == 0:
+    if i.dtype not in (torch.int32, torch.int64) or g.dim() == 0:
         return None
     if not (static_shape(g) and static_shape(i)):
         return None
     rows, d = i.numel(), g.shape[-1]
     if num_weights == 0 or d == 0:
+        n.meta[OWN_CALL] = embedding_dense_backward
         return f"{n.name}: an empty [{num_weights}, {d}] table's gradient, no kernel (eager's CUDA kernel reads past it)"
-    if not _ours(g, rows, num_weights, d):
+    one_hot, scatter, eager = embedding_grad_times(rows, num_weights, d, g.element_size())
+    if num_weights > MAX_ROWS or not _ours(g, rows, num_weights, d, scattered=False):
+        one_hot = float("inf")
+    if torch.are_deterministic_algorithms_enabled() or not _ours(g, rows, num_weights, d, scattered=True):
+        scatter = float("inf")  # its atomics sum a repeated index's rows in no fixed order
+    if min(one_hot, scatter) >= eager:
         return None
-    ours, eager = embedding_grad_times(rows, num_weights, d, g.element_size())
-    if ours >= eager:
-        return None
-    return (f"{n.name}: a [{num_weights}, {d}] table's gradient over {rows} indices, one-hot rows x gradient "
-            f"rows (modelled {ours * 1e6:.1f} us, eager's {eager * 1e6:.1f})")
+    table = f"a [{num_weights}, {d}] table's gradient over {rows} indices"
+    if one_hot <= scatter:
+        n.meta[OWN_CALL] = embedding_dense_backward
+        return f"{n.name}: {table}, one-hot rows x gradient rows (modelled {one_hot * 1e6:.1f} us, eager's {eager * 1e6:.1f})"
+    n.meta[OWN_CALL] = embedding_dense_backward_scattered
+    return f"{n.name}: {table}, rows scattered (modelled {scatter * 1e6:.1f} us, eager's {eager * 1e6:.1f})"
+
+
+def add_rows_in_place(graph: fx.Graph) -> list[str]:
+    """`add_(other, g)` where g is a scattered embedding gradient read only there (a tied embedding: its
+    gradient added to the output layer's, written in place by rewrite's write_outputs_in_place) becomes one
+    call that adds g's rows to `other`: no table of zeros, no pass of the add over two [V, D] tables.  Runs
+    on the rewritten graph, before fast_calls; returns the names of the adds taken."""
+    done = []
+    for a in list(graph.nodes):
+        if a.op != "call_function" or a.target is not aten.add_.Tensor or a.kwargs or len(a.args) != 2:
+            continue
+        other, g = a.args
+        if not isinstance(g, fx.Node) or g.meta.get(OWN_CALL) is not embedding_dense_backward_scattered \
+                or len(g.users) != 1 or not isinstance(other, fx.Node):
+            continue
+        o, v = meta(other), meta(g)
+        if o is None or v is None or o.shape != v.shape or o.dtype != v.dtype or not o.is_contiguous():
+            continue
+        a.args = (other, *g.args)
+        a.target = embedding_dense_backward_added
+        a.meta[OWN_CALL] = embedding_dense_backward_added
+        graph.erase_node(g)
+        done.append(a.name)
+    return done

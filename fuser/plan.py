@@ -142,3 +142,19 @@ def embedding_grad_plan(n: int, v: int, d: int) -> EmbeddingGradPlan:
     split = max(1, min(cdiv(2 * NUM_SMS, tiles), cdiv(n, 4 * bn), EMBEDDING_PARTIAL_BYTES // max(1, v * d * 4)))
     chunk = cdiv(cdiv(n, split), bn) * bn
     return EmbeddingGradPlan(bv, bd, bn, cdiv(n, chunk) if n else 1, chunk)
+
+
+@dataclass(frozen=True)
+class ScatterPlan:
+    """The scattered embedding gradient's launches (codegen/embedding.py): BLOCK table elements zeroed a
+    program, [BN indices, BD columns] a program for the sums."""
+    block: int
+    bn: int
+    bd: int
+    num_warps: int
+
+
+def scatter_plan(d: int) -> ScatterPlan:
+    """A fill of 2048 elements a program (Inductor's pointwise blocks are 1024-2048); 32 gradient rows of up
+    to 128 columns a program: wide rows split across programs, narrow ones still 16 wide.  Not swept."""
+    return ScatterPlan(2048, 32, max(16, min(128, next_pow2(d))), 4)

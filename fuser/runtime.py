@@ -253,6 +253,14 @@ def launch(source: str, name: str, grid, args, meta: dict, device_type: str):
     launcher(grid, *args)
 
 
+def current(device: torch.device):
+    """A context making `device` the current CUDA device, for launches that go to the current one; nothing
+    where it already is, or on CPU (entering torch.cuda.device costs host time on every call)."""
+    if device.type != "cuda" or _ONE_GPU or device.index == _current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def _no_launch_hooks() -> bool:
     """No launch hook is set (a profiler's, say): triton >= 3.6 holds them in a HookChain, empty when
     none is, where older versions had None."""
@@ -732,12 +740,14 @@ reinterpret = named("reinterpret", torch._C._dynamo.guards._reinterpret_tensor, 
 # parsed in C++ (OpOverload.__call__ adds a Python frame and pybind's schema matching: aten.mm.default
 # takes 2.7 us of host time against torch.mm's 1.6 on this project's CPU).  Each binding takes the
 # overload's arguments, positional and keyword, under the same names, and resolves to this overload
-# for them; the table holds the ops that stay eager in most graphs (matmuls, gathers, SDPA, copies).
+# for them; the table holds the ops that stay eager in most graphs (matmuls, gathers, SDPA, copies, and the
+# GELU alone between two matmuls, which fuses with neither: bert's and ViT's, 4 a step).
 # Not index_put: its binding refuses the None of an index list (`cache[:, :, pos] = k`).
 _BINDINGS = {
     aten.mm.default: torch.mm, aten.addmm.default: torch.addmm, aten.bmm.default: torch.bmm,
     aten.baddbmm.default: torch.baddbmm, aten.convolution.default: torch.convolution,
     aten.embedding.default: torch.embedding, aten.index_select.default: torch.index_select,
+    aten.gather.default: torch.gather, aten.cat.default: torch.cat, aten.gelu.default: torch._C._nn.gelu,
     aten.clone.default: torch.clone, aten.copy_.default: torch.Tensor.copy_,
     # views fast_views left (over symbolic sizes: graphs of fuse(dynamic=True), or after a recompile)
     aten.view.default: torch.Tensor.view, aten.reshape.default: torch.reshape, aten.permute.default: torch.permute,

@@ -1,7 +1,9 @@
-"""An embedding's gradient over a small table by our one-hot kernel (fuser/embedding.py), against an fp64
-reference and eager: odd shapes, a padding index, int32 indices, a non-contiguous gradient, indices split
-across programs, a table narrower than a tile; in a model, the graph calls it (and says so) and the
-parameters' gradients match eager's."""
+"""An embedding's gradient by our kernels (fuser/embedding.py), the one-hot kernel (small tables) and the
+scattered rows (large ones), against an fp64 reference and eager: odd shapes, a padding index, repeated
+indices, int32 indices, a non-contiguous gradient, indices split across programs, a table narrower than a
+tile; in a model, the graph calls each where the cost model says (and the report says so) and the
+parameters' gradients match eager's; deterministic mode keeps large tables with eager."""
+import contextlib
 import copy
 
 import pytest
@@ -9,15 +11,19 @@ import torch
 import torch.nn as nn
 
 import fuser
-from fuser.embedding import embedding_dense_backward
+from fuser.embedding import embedding_dense_backward, embedding_dense_backward_added, embedding_dense_backward_scattered
 from tolerances import tol
 
 aten = torch.ops.aten
 
 
-def _dtypes(device):
-    # the interpreter's tl.dot is wrong in bf16: bf16 is tested on the GPU only (and never taken on CPU)
-    return [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+KERNELS = {"one-hot": embedding_dense_backward, "scattered": embedding_dense_backward_scattered}
+
+
+def _dtypes(device, kernel="one-hot"):
+    # the interpreter's tl.dot is wrong in bf16: the one-hot kernel's bf16 is tested on the GPU only (and
+    # never taken on CPU); the scatter has no tl.dot
+    return [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" or kernel == "scattered" else [])
 
 
 def _reference(grad, idx, v, padding_idx):
@@ -32,8 +38,9 @@ CASES = [((3, 423), 213, 37, -1), ((5, 61), 512, 64, 0), ((256, 256), 32, 8, -1)
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-pad{c[3]}")
 @pytest.mark.parametrize("dtype_index", [0, 1, 2])
-def test_matches_the_reference(device, case, dtype_index):
-    dtypes = _dtypes(device)
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_matches_the_reference(device, case, dtype_index, kernel):
+    dtypes = _dtypes(device, kernel)
     if dtype_index >= len(dtypes):
         pytest.skip("bf16 on the GPU only")
     dtype = dtypes[dtype_index]
@@ -43,7 +50,7 @@ def test_matches_the_reference(device, case, dtype_index):
     if padding_idx >= 0:
         idx.view(-1)[::5] = padding_idx  # some rows are the padding index: they count for none
     grad = torch.randn(*shape, d, device=device, dtype=dtype)
-    got = embedding_dense_backward(grad, idx, v, padding_idx, False)
+    got = KERNELS[kernel](grad, idx, v, padding_idx, False)
     want = _reference(grad, idx, v, padding_idx)
     assert got.dtype == dtype and got.shape == (v, d)
     # an fp32 row sums ~N / V terms of size ~1: its rounding grows as sqrt(N / V) eps of them (a 16-bit
@@ -57,18 +64,57 @@ def test_matches_the_reference(device, case, dtype_index):
         assert (got[padding_idx] == 0).all()
 
 
-def test_int32_indices_and_a_strided_gradient(device):
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_int32_indices_and_a_strided_gradient(device, kernel):
     torch.manual_seed(0)
     idx = torch.randint(0, 300, (4, 33), device=device, dtype=torch.int32)
     grad = torch.randn(4, 90, 33, device=device).transpose(1, 2)[:, :, ::2]  # [4, 33, 45], not contiguous
-    got = embedding_dense_backward(grad, idx, 300, -1, False)
+    got = KERNELS[kernel](grad, idx, 300, -1, False)
     torch.testing.assert_close(got, _reference(grad, idx.long(), 300, -1).float(), **tol(torch.float32))
 
 
-def test_no_indices_gives_zeros(device):
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_no_indices_gives_zeros(device, kernel):
     grad = torch.randn(0, 24, device=device)
-    got = embedding_dense_backward(grad, torch.zeros(0, dtype=torch.long, device=device), 50, -1, False)
+    got = KERNELS[kernel](grad, torch.zeros(0, dtype=torch.long, device=device), 50, -1, False)
     assert got.shape == (50, 24) and (got == 0).all()
+
+
+def test_a_scattered_table_is_written_once_whole(device):
+    """Every row of the table is written: rows no index names are zero even where the buffer held other
+    values (the scatter zeroes the table itself), a row named many times holds the sum of all its rows, and
+    a row named only by the padding index stays zero."""
+    torch.manual_seed(0)
+    v, d = 5003, 19
+    idx = torch.cat([torch.full((300,), 7), torch.randint(0, v, (211,)), torch.full((40,), 11)]).to(device)
+    grad = torch.randn(idx.numel(), d, device=device)
+    got = embedding_dense_backward_scattered(grad, idx, v, 11, False)
+    want = _reference(grad, idx, v, 11)
+    torch.testing.assert_close(got, want.float(), **tol(torch.float32, 17.0))  # row 7 sums 300 rows
+    assert (got[11] == 0).all() and got[7].abs().sum() > 0
+    named = torch.zeros(v, dtype=torch.bool, device=device)
+    named[idx] = True
+    named[11] = False
+    assert (got[~named] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_added_to_another_table(device, dtype):
+    """`other += the gradient`, in place, rounded once: rows no index names (and the padding index's) keep
+    other's values; a non-contiguous `other` goes through eager's add."""
+    torch.manual_seed(0)
+    v, d = 4099, 33
+    idx = torch.randint(0, v, (7, 61), device=device)
+    idx[:, ::6] = 5
+    grad = torch.randn(7, 61, d, device=device, dtype=dtype)
+    other = torch.randn(v, d, device=device, dtype=dtype)
+    want = (other.double() + _reference(grad, idx, v, 5)).to(dtype)
+    got = embedding_dense_backward_added(other.clone(), grad, idx, v, 5, False)
+    torch.testing.assert_close(got, want, **tol(dtype, 4.0))
+    assert torch.equal(got[5], other[5])
+    wide = torch.randn(d, v, device=device, dtype=dtype).t()  # [v, d], not contiguous
+    torch.testing.assert_close(embedding_dense_backward_added(wide.clone(), grad, idx, v, 5, False),
+                               (wide.double() + _reference(grad, idx, v, 5)).to(dtype), **tol(dtype, 4.0))
 
 
 class _Positions(nn.Module):
@@ -103,7 +149,46 @@ def test_a_model_calls_it_for_its_small_tables(device):
     assert not [u for r in backward for u in r.unfused if "[128" in u.node], backward
 
 
-def test_bf16_on_cpu_and_scaled_by_frequency_stay_eager():
+def _grads_and_notes(model, *inputs):
+    model.zero_grad()
+    twin = copy.deepcopy(model)
+    before = len(fuser.reports())
+    fuser.fuse(model)(*inputs).backward()
+    twin(*inputs).backward()
+    for (k, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **tol(torch.float32, 4.0), msg=k)
+    return [n for r in fuser.reports()[before:] for n in r.notes if n.startswith("embedding gradients as our kernel")]
+
+
+def test_a_large_tables_rows_are_scattered(device):
+    """A vocabulary past the one-hot kernel's tables: its gradient's rows are scattered (the report says so),
+    repeated token ids included; under torch.use_deterministic_algorithms it stays with eager's kernels."""
+    torch.manual_seed(0)
+    model = _Positions(words=9001).to(device)
+    ids = torch.randint(0, 9001, (3, 117), device=device)
+    ids[:, ::3] = 42  # a token repeated through every row
+    types = torch.randint(0, 2, (3, 117), device=device)
+    notes = _grads_and_notes(model, ids, types)
+    assert notes and "[9001, 48] table's gradient over 351 indices, rows scattered" in notes[0], notes
+    assert "[128, 48] table's gradient over 117 indices, one-hot" in notes[0], notes
+
+    torch._dynamo.reset()
+    with _deterministic():
+        notes = _grads_and_notes(model, ids, types)
+    assert notes and "[9001, 48]" not in notes[0] and "[128, 48]" in notes[0], notes
+
+
+@contextlib.contextmanager
+def _deterministic():
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_scaled_by_frequency_stays_eager_and_bf16_on_cpu_is_scattered():
     torch.manual_seed(0)
     model = nn.Embedding(40, 16, scale_grad_by_freq=True)
     ids = torch.randint(0, 40, (2, 30))
@@ -117,11 +202,15 @@ def test_bf16_on_cpu_and_scaled_by_frequency_stay_eager():
     assert not [n for r in reports for n in r.notes if n.startswith("embedding gradients as our kernel")]
     assert [u for r in reports for u in r.unfused if "embedding_dense_backward" in u.op]
 
-    bf16 = nn.Embedding(40, 16).to(torch.bfloat16)
+    bf16 = nn.Embedding(40, 16).to(torch.bfloat16)  # on CPU not the one-hot kernel (tl.dot), the scatter
+    twin = copy.deepcopy(bf16)
     before = len(fuser.reports())
     fuser.fuse(bf16)(ids).float().square().mean().backward()
+    twin(ids).float().square().mean().backward()
     reports = fuser.reports()[before:]
-    assert not [n for r in reports for n in r.notes if n.startswith("embedding gradients as our kernel")]
+    notes = [n for r in reports for n in r.notes if n.startswith("embedding gradients as our kernel")]
+    assert len(notes) == 1 and "rows scattered" in notes[0] and "one-hot" not in notes[0], notes
+    torch.testing.assert_close(bf16.weight.grad, twin.weight.grad, **tol(torch.bfloat16))
 
 
 def test_an_empty_tables_gradient_needs_no_kernel(device):
@@ -152,3 +241,35 @@ def test_an_empty_tables_gradient_needs_no_kernel(device):
     assert model.empty.weight.grad.shape == (10, 0)
     for p, q in zip(model.proj.parameters(), twin.proj.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, **tol(torch.float32))
+
+
+class _TiedLM(nn.Module):
+    """A language model's ends with the output layer's weight the embedding's (GPT-2's tied weights): the table's
+    gradient is the sum of both uses'.  A loss other than cross-entropy (which fuser's linear + cross-entropy
+    op would take, its weight gradient then scaled in a fused region): the output layer's gradient is a
+    matmul's result that the add may write over."""
+
+    def __init__(self, words=6007, d=40):
+        super().__init__()
+        self.words, self.mix = nn.Embedding(words, d, padding_idx=3), nn.Linear(d, d)
+
+    def forward(self, ids):
+        logits = torch.tanh(self.mix(self.words(ids))) @ self.words.weight.t()
+        return logits.square().mean()
+
+
+def test_a_tied_tables_rows_are_added_to_the_output_layers_gradient(device):
+    """The scattered rows go straight into the output layer's gradient (no table of zeros, no add), repeated
+    and padding ids included; the gradient matches eager's."""
+    torch.manual_seed(0)
+    model = _TiedLM().to(device)
+    ids = torch.randint(0, 6007, (2, 45), device=device)
+    ids[:, ::4] = 17  # repeated
+    ids[1, 1::5] = 3  # the padding id: its rows count for none
+    before = len(fuser.reports())
+    notes = _grads_and_notes(model, ids)
+    assert notes and "[6007, 40] table's gradient over 90 indices, rows scattered" in notes[0], notes
+    reports = fuser.reports()[before:]
+    assert any(n.startswith("embedding gradients added in place to another (tied weights)") for r in reports
+               for n in r.notes), [r.notes for r in reports]
+    assert "embedding_dense_backward_added" in "".join(c for r in reports for c in r.code)
