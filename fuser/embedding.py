@@ -150,14 +150,16 @@ def add_rows_in_place(graph: fx.Graph) -> list[str]:
     """`add_(other, g)` where g is a scattered embedding gradient read only there (a tied embedding: its
     gradient added to the output layer's, written in place by rewrite's write_outputs_in_place) becomes one
     call that adds g's rows to `other`: no table of zeros, no pass of the add over two [V, D] tables.  Runs
-    on the rewritten graph, before fast_calls; returns the names of the adds taken."""
+    on the rewritten graph, before fast_calls, whose memory plan (buffers reused, outputs written over their
+    inputs) was made with g's reads at g: so taken only where the add comes right after g (anything between
+    might write over g's inputs first).  Returns the names of the adds taken."""
     done = []
     for a in list(graph.nodes):
         if a.op != "call_function" or a.target is not aten.add_.Tensor or a.kwargs or len(a.args) != 2:
             continue
         other, g = a.args
         if not isinstance(g, fx.Node) or g.meta.get(OWN_CALL) is not embedding_dense_backward_scattered \
-                or len(g.users) != 1 or not isinstance(other, fx.Node):
+                or len(g.users) != 1 or g.next is not a or not isinstance(other, fx.Node):
             continue
         o, v = meta(other), meta(g)
         if o is None or v is None or o.shape != v.shape or o.dtype != v.dtype or not o.is_contiguous():

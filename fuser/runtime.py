@@ -739,8 +739,8 @@ reinterpret = named("reinterpret", torch._C._dynamo.guards._reinterpret_tensor, 
 # ATen overloads the wrapper calls through torch's public bindings: the same kernel, its arguments
 # parsed in C++ (OpOverload.__call__ adds a Python frame and pybind's schema matching: aten.mm.default
 # takes 2.7 us of host time against torch.mm's 1.6 on this project's CPU).  Each binding takes the
-# overload's arguments, positional and keyword, under the same names, and resolves to this overload
-# for them; the table holds the ops that stay eager in most graphs (matmuls, gathers, SDPA, copies, and the
+# overload's arguments as AOT's graphs pass them (tensors positionally, options by keyword under the same
+# names: a binding names the first tensor `input`, not `self`) and resolves to this overload for them; the table holds the ops that stay eager in most graphs (matmuls, gathers, SDPA, copies, and the
 # GELU alone between two matmuls, which fuses with neither: bert's and ViT's, 4 a step).
 # Not index_put: its binding refuses the None of an index list (`cache[:, :, pos] = k`).
 _BINDINGS = {
@@ -770,16 +770,25 @@ def call_directly(op) -> None:
     _BINDINGS[op._opoverload] = op._init_fn
 
 
+OVERLOAD = "fuser_overload"  # node meta: the ATen overload a binding calls (its schema, for the passes after)
+
+
 def fast_calls(graph) -> int:
     """Eager ops of the wrapper called through their public bindings (above), or through the function an
-    op-family module gave the node (graph.OWN_CALL); returns how many.  The
-    last pass on a graph: its targets are then no longer OpOverloads (no schema, no purity to read)."""
+    op-family module gave the node (graph.OWN_CALL); returns how many.  The last pass on a graph but for
+    write_over_donated, which reads a binding's overload from the node's meta (OVERLOAD)."""
     done = 0
     for n in graph.nodes:
         if n.op == "call_function" and (call := n.meta.get(OWN_CALL) or _BINDINGS.get(n.target)) is not None:
+            if call is _BINDINGS.get(n.target):
+                n.meta[OVERLOAD] = n.target
             n.target = call
             done += 1
     return done
+
+
+def _overload(n):
+    return n.meta.get(OVERLOAD, n.target)
 
 
 def fast_views(graph, exact: set) -> int:
@@ -941,6 +950,7 @@ def write_outputs_in_place(graph, allocations: set, donated: set = frozenset()) 
             if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and (o := dies_here(a, k, 0)) \
                     and (a.meta["val"].shape, a.meta["val"].stride(), a.meta["val"].dtype) == (v.shape, v.stride(), v.dtype):
                 k.target = op
+                k.meta.pop(OVERLOAD, None)
                 redirect[k], last[o] = o, last.get(k, pos[k])
                 if k in forever:
                     forever.add(o)
@@ -1007,18 +1017,19 @@ def write_over_donated(graph, donated: set) -> list[str]:
 
 def _new_tensor(n) -> bool:
     """An eager op whose result is a new tensor (its schema returns no alias)."""
-    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-    return schema is not None and n.target is not torch.ops.aten._unsafe_view.default and len(schema.returns) == 1 \
+    schema = getattr(_overload(n), "_schema", None) if n.op == "call_function" else None
+    return schema is not None and _overload(n) is not torch.ops.aten._unsafe_view.default and len(schema.returns) == 1 \
         and schema.returns[0].alias_info is None and isinstance(n.meta.get("val"), torch.Tensor)
 
 
 def _in_place_op(n):
     """The in-place overload of an eager pointwise op (aten.gelu_.default for aten.gelu.default)."""
-    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or \
-            torch.Tag.pointwise not in n.target.tags or n.target._schema.is_mutable or not _new_tensor(n):
+    target = _overload(n) if n.op == "call_function" else None
+    if not isinstance(target, torch._ops.OpOverload) or \
+            torch.Tag.pointwise not in target.tags or target._schema.is_mutable or not _new_tensor(n):
         return None
-    packet = getattr(torch.ops.aten, n.target.__name__.split(".")[0] + "_", None)
-    return getattr(packet, n.target._overloadname, None) if packet is not None else None
+    packet = getattr(torch.ops.aten, target.__name__.split(".")[0] + "_", None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
 
 
 def _take_in_place(t, size, stride, dtype, t_size, t_stride):
@@ -1118,7 +1129,7 @@ def _reads(n, dst) -> bool:
 def aliased(n, members) -> frozenset:
     """The buffers a call's result may share memory with."""
     target = n.target
-    schema = getattr(target, "_schema", None)
+    schema = getattr(_overload(n), "_schema", None)
     if target is operator.getitem:
         args = n.args[:1]
     elif hasattr(target, "returns_args"):  # our kernels (named)

@@ -273,3 +273,25 @@ def test_a_tied_tables_rows_are_added_to_the_output_layers_gradient(device):
     assert any(n.startswith("embedding gradients added in place to another (tied weights)") for r in reports
                for n in r.notes), [r.notes for r in reports]
     assert "embedding_dense_backward_added" in "".join(c for r in reports for c in r.code)
+
+
+def test_rows_are_not_added_after_their_inputs_are_written_over(device):
+    """The add comes after an op that writes over the gradient's input in place (the last reader of a kernel's
+    buffer): the gradient is computed where the graph computes it, not moved to the add (review reproducer)."""
+    v, d, n = 5000, 48, 351
+
+    def f(x, ids, w, a, b):
+        grad = torch.tanh(x) * 2
+        g = aten.embedding_dense_backward(grad, ids, v, -1, False)
+        y = grad * (grad @ w)  # the last reader of grad: written over it
+        return a @ b + g, y
+
+    torch.manual_seed(0)
+    args = (torch.randn(n, d, device=device), torch.randint(0, v, (n,), device=device), torch.randn(d, d, device=device),
+            torch.randn(v, 8, device=device), torch.randn(8, d, device=device))
+    before = len(fuser.reports())
+    got, want = fuser.fuse(f)(*args), f(*args)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, **tol(torch.float32, 4.0))
+    notes = [n for r in fuser.reports()[before:] for n in r.notes]
+    assert any("rows scattered" in n for n in notes), notes
