@@ -24,7 +24,7 @@ from . import dtypes
 from .cost import embedding_grad_times
 from .graph import OWN_CALL, meta, static_shape
 from .plan import embedding_grad_plan, scatter_plan
-from .runtime import current, launch
+from .runtime import current, launch, launch_sequence
 
 aten = torch.ops.aten
 MAX_ROWS = 4096  # tables past this never take the one-hot kernel (it reads the gradient once per 64 rows)
@@ -72,9 +72,10 @@ def _grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq, scattered
         if scattered:
             slot = torch.empty(num_weights, dtype=torch.int32, device=grad.device)
             acc = torch.empty(n, d, dtype=torch.float32, device=grad.device)
-            for name, grid, args, config in prepare_scatter(g2, idx, slot, acc, out, padding_idx, scatter_plan(d),
-                                                            accumulate=into is not None):
-                launch(src, name, grid, args, config, device)
+            launches = prepare_scatter(g2, idx, slot, acc, out, padding_idx, scatter_plan(d), accumulate=into is not None)
+            # the launches' meta and int arguments follow from these (scatter_plan: from d)
+            key = (src, n, d, num_weights, g2.stride(0), idx.dtype, padding_idx, into is not None, grad.device)
+            launch_sequence(src, launches, device, key)
             return out
         plan = embedding_grad_plan(n, num_weights, d)
         if plan.split == 1:

@@ -216,7 +216,7 @@ class Launcher:
         if self.interpreted:
             run_interpreted(self.fn, grid if isinstance(grid, tuple) else (grid,), *args, **self.meta)
             return
-        key = tuple([a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else _int_spec(a) for a in args])
+        key = _spec(args)
         compiled = self.compiled.get(key)
         if compiled is not None and _no_launch_hooks():
             run_compiled(compiled, grid, 0 if _ONE_GPU else _current_device(), args, self.constexprs)
@@ -251,6 +251,38 @@ def launch(source: str, name: str, grid, args, meta: dict, device_type: str):
     if launcher is None:
         launcher = _launchers[key] = Launcher(load(source, name, device_type), meta, device_type)
     launcher(grid, *args)
+    return launcher
+
+
+_sequences: dict = {}  # a caller's key -> (device index, [(compiled kernel, constexprs)] in launch order)
+
+
+def launch_sequence(source: str, launches: list, device_type: str, key) -> None:
+    """Launch `launches` ((kernel name, grid, args, meta) each, in order) of `source`.  On CUDA, once a first
+    call has compiled them, a call under the same `key` (the caller's: it must fix every launch's meta and int
+    arguments) whose tensors are all 16-byte aligned calls the compiled kernels directly: one lookup for the
+    sequence instead of a launcher's key and an alignment key per launch (the embedding gradient's three
+    launches: fuser/embedding.py)."""
+    bound = _sequences.get(key) if device_type == "cuda" else None
+    if bound is not None and _no_launch_hooks() and (_ONE_GPU or _current_device() == bound[0]) and _aligned(launches):
+        for (_, grid, args, _), (compiled, constexprs) in zip(launches, bound[1]):
+            run_compiled(compiled, grid, bound[0], args, constexprs)
+        return
+    launchers = [launch(source, name, grid, args, meta, device_type) for name, grid, args, meta in launches]
+    if device_type == "cuda" and key not in _sequences and _aligned(launches):
+        kernels = [(launcher.compiled.get(_spec(args)), launcher.constexprs)
+                   for launcher, (_, _, args, _) in zip(launchers, launches)]
+        if all(c is not None for c, _ in kernels):
+            _sequences[key] = (0 if _ONE_GPU else _current_device(), kernels)
+
+
+def _aligned(launches) -> bool:
+    return all(a.data_ptr() % 16 == 0 for _, _, args, _ in launches for a in args if isinstance(a, torch.Tensor))
+
+
+def _spec(args) -> tuple:
+    """What Triton's JIT specialises a launch on (Launcher's key for its compiled kernels)."""
+    return tuple([a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else _int_spec(a) for a in args])
 
 
 def current(device: torch.device):

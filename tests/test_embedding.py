@@ -80,6 +80,20 @@ def test_no_indices_gives_zeros(device, kernel):
     assert got.shape == (50, 24) and (got == 0).all()
 
 
+def test_a_bound_sequence_serves_only_aligned_gradients(device):
+    """From the second call on at the same sizes, the scatter's launches go straight to the compiled kernels
+    (runtime.launch_sequence); a gradient 4 bytes past 16-byte alignment goes back through the launchers (a
+    kernel compiled for aligned pointers must not run on it)."""
+    torch.manual_seed(0)
+    v, d = 5001, 24
+    idx = torch.randint(0, v, (3, 50), device=device)
+    base = torch.randn(3 * 50 * d + 1, device=device)
+    aligned, odd = base[:-1].view(3, 50, d), base[1:].view(3, 50, d)
+    for g in (aligned, aligned, odd, aligned):
+        torch.testing.assert_close(embedding_dense_backward_scattered(g, idx, v, -1, False),
+                                   _reference(g, idx, v, -1).float(), **tol(torch.float32, 2.0))
+
+
 def test_a_scattered_table_is_written_once_whole(device):
     """Every row of the table is written: rows no index names are zero even where the buffer held other
     values (the scatter zeroes the table itself), a row named many times holds the sum of all its rows, and
