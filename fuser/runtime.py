@@ -273,11 +273,14 @@ def launch_sequence(source: str, launches: list, device_type: str, key) -> None:
         kernels = [(launcher.compiled.get(_spec(args)), launcher.constexprs)
                    for launcher, (_, _, args, _) in zip(launchers, launches)]
         if all(c is not None for c, _ in kernels):
+            if len(_sequences) >= BOUND_SIZES:  # sizes that vary (a batch's length): the oldest goes
+                del _sequences[next(iter(_sequences))]
             _sequences[key] = (0 if _ONE_GPU else _current_device(), kernels)
 
 
 def _aligned(launches) -> bool:
-    return all(a.data_ptr() % 16 == 0 for _, _, args, _ in launches for a in args if isinstance(a, torch.Tensor))
+    return all(a.data_ptr() % 16 == 0 for a in {id(a): a for _, _, args, _ in launches for a in args
+                                                if isinstance(a, torch.Tensor)}.values())
 
 
 def _spec(args) -> tuple:
@@ -306,7 +309,7 @@ def _int_spec(a: int) -> tuple:
 
 
 WIDE = 2**31  # offsets from here on need 64-bit index math
-BOUND_SIZES = 64  # size values per symbolic kernel whose call is kept bound (RegionKernel._bind_sizes)
+BOUND_SIZES = 64  # size values per symbolic kernel whose call is kept bound (RegionKernel._bind_sizes; launch_sequence)
 CONSTANT_ROWS = 4  # row lengths of a looped reduction that get a variant with the length built in
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import fuser
+from fuser import runtime
 from fuser.embedding import embedding_dense_backward, embedding_dense_backward_added, embedding_dense_backward_scattered
 from tolerances import tol
 
@@ -83,15 +84,17 @@ def test_no_indices_gives_zeros(device, kernel):
 def test_a_bound_sequence_serves_only_aligned_gradients(device):
     """From the second call on at the same sizes, the scatter's launches go straight to the compiled kernels
     (runtime.launch_sequence); a gradient 4 bytes past 16-byte alignment goes back through the launchers (a
-    kernel compiled for aligned pointers must not run on it)."""
+    kernel compiled for aligned pointers, which loads rows of 32 floats 16 bytes at a time, must not run on it)."""
     torch.manual_seed(0)
-    v, d = 5001, 24
+    v, d = 5001, 32
     idx = torch.randint(0, v, (3, 50), device=device)
     base = torch.randn(3 * 50 * d + 1, device=device)
     aligned, odd = base[:-1].view(3, 50, d), base[1:].view(3, 50, d)
+    runtime._sequences.clear()
     for g in (aligned, aligned, odd, aligned):
         torch.testing.assert_close(embedding_dense_backward_scattered(g, idx, v, -1, False),
                                    _reference(g, idx, v, -1).float(), **tol(torch.float32, 2.0))
+    assert len(runtime._sequences) == (1 if device == "cuda" else 0)  # bound on the GPU only
 
 
 def test_a_scattered_table_is_written_once_whole(device):
