@@ -46,7 +46,7 @@ def embedding_dense_backward_scattered(grad: torch.Tensor, indices: torch.Tensor
 def embedding_dense_backward_added(other: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
                                    padding_idx: int, scale_grad_by_freq: bool) -> torch.Tensor:
     """`other.add_(aten.embedding_dense_backward(...))` by the scatter kernels, without the table of zeros: the
-    rows added to `other` in place (a tied embedding's gradient and the output layer's: add_rows_in_place)."""
+    rows added to `other` in place (a tied embedding's gradient and the output layer's: `lower`)."""
     return _grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq, scattered=True, into=other)
 
 
@@ -105,15 +105,61 @@ def _ours(grad: torch.Tensor, n: int, v: int, d: int, scattered: bool) -> bool:
 
 def lower(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     """Marks each embedding gradient of gm our kernels take (the wrapper then calls ours:
-    runtime.fast_calls); returns (node, a line for the report) for each."""
+    runtime.fast_calls); a scattered one that is only added to a tensor no one else reads (a tied table's
+    gradient and the output layer's) becomes one call that adds its rows into that tensor's memory (no table
+    of zeros, no pass of the add over two [V, D] tables).  Before the partition, so the memory plan and the
+    regions see the call where it reads.  Returns (node, a line for the report) for each."""
     out = []
-    for n in gm.graph.nodes:
+    for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not aten.embedding_dense_backward.default:
             continue
         why = _taken(n)
-        if why is not None:
+        if why is None:
+            continue
+        a = _added_to(n) if n.meta[OWN_CALL] is embedding_dense_backward_scattered else None
+        if a is None:
             out.append((n, why))
+            continue
+        other = a.args[0] if a.args[1] is n else a.args[1]
+        a.target, a.args, a.kwargs = embedding_dense_backward_added, (other, *n.args), {}
+        a.meta[OWN_CALL] = embedding_dense_backward_added
+        gm.graph.erase_node(n)
+        out.append((a, f"{why}, its rows added into {other.name} (tied weights: no table of zeros, no add)"))
+    if any(a.target is embedding_dense_backward_added for a, _ in out):
+        gm.recompile()
     return out
+
+
+def _added_to(g: fx.Node) -> fx.Node | None:
+    """The add that g's rows can go into: `add(x, g)` or `add(g, x)`, no alpha, all three of one shape and
+    dtype, x contiguous and all of the memory of a new tensor of an op (directly, or through views that keep
+    all of it: a matmul's transposed result transposed back) that only this add reads, g read only there:
+    then x's memory is the add's to write."""
+    if len(g.users) != 1:
+        return None
+    a = next(iter(g.users))
+    if a.op != "call_function" or a.target is not aten.add.Tensor or a.kwargs or len(a.args) != 2:
+        return None
+    x = a.args[0] if a.args[1] is g else a.args[1] if a.args[0] is g else None
+    if not isinstance(x, fx.Node) or x is g:
+        return None
+    root = x
+    while len(root.users) == 1 and isinstance(root.target, torch._ops.OpOverload) and root.target.is_view \
+            and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    o, v, r, base = meta(x), meta(g), meta(a), meta(root)
+    if root.op != "call_function" or len(root.users) != 1 or not _new_tensor(root) or None in (o, v, r, base) \
+            or not o.is_contiguous() or o.storage_offset() != 0 or base.numel() != o.numel():
+        return None
+    return a if o.shape == v.shape == r.shape and o.dtype == v.dtype == r.dtype and o.device == v.device else None
+
+
+def _new_tensor(n: fx.Node) -> bool:
+    target = n.target
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    returns = target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is None and target is not aten._unsafe_view.default
 
 
 def _taken(n: fx.Node) -> str | None:
@@ -146,28 +192,3 @@ def _taken(n: fx.Node) -> str | None:
     n.meta[OWN_CALL] = embedding_dense_backward_scattered
     return f"{n.name}: {table}, rows scattered (modelled {scatter * 1e6:.1f} us, eager's {eager * 1e6:.1f})"
 
-
-def add_rows_in_place(graph: fx.Graph) -> list[str]:
-    """`add_(other, g)` where g is a scattered embedding gradient read only there (a tied embedding: its
-    gradient added to the output layer's, written in place by rewrite's write_outputs_in_place) becomes one
-    call that adds g's rows to `other`: no table of zeros, no pass of the add over two [V, D] tables.  Runs
-    on the rewritten graph, before fast_calls, whose memory plan (buffers reused, outputs written over their
-    inputs) was made with g's reads at g: so taken only where the add comes right after g (anything between
-    might write over g's inputs first).  Returns the names of the adds taken."""
-    done = []
-    for a in list(graph.nodes):
-        if a.op != "call_function" or a.target is not aten.add_.Tensor or a.kwargs or len(a.args) != 2:
-            continue
-        other, g = a.args
-        if not isinstance(g, fx.Node) or g.meta.get(OWN_CALL) is not embedding_dense_backward_scattered \
-                or len(g.users) != 1 or g.next is not a or not isinstance(other, fx.Node):
-            continue
-        o, v = meta(other), meta(g)
-        if o is None or v is None or o.shape != v.shape or o.dtype != v.dtype or not o.is_contiguous():
-            continue
-        a.args = (other, *g.args)
-        a.target = embedding_dense_backward_added
-        a.meta[OWN_CALL] = embedding_dense_backward_added
-        graph.erase_node(g)
-        done.append(a.name)
-    return done

@@ -22,7 +22,7 @@ from fuser.patterns.attention import extra_forms, find, mask_structure, normaliz
 from . import ops
 from .cost import eager_cost, tensor_bytes
 from .dtypes import target
-from .embedding import add_rows_in_place, lower as lower_embedding_grads
+from .embedding import lower as lower_embedding_grads
 from .fold import drop_identities, fold_constants
 from .gqa import share_kv_heads
 from .padding import pad_matmuls
@@ -127,15 +127,11 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     new = rewrite(gm, units, kernels, bound) if units else gm
     if units:  # on the final order of the calls; then the eager calls through torch's bindings (last:
         written = write_inputs_in_place(new.graph)  # the targets are no longer OpOverloads)
-        added = add_rows_in_place(new.graph)
         fast_calls(new.graph)
         new.recompile()
         if new.in_place:
             report.notes.append(f"{len(new.in_place)} kernels write their output over an input that dies there "
                                 f"(one buffer, not two): {', '.join(new.in_place)}")
-        if added:
-            report.unfused = [u for u in report.unfused if u.node not in added]
-            report.notes.append(f"embedding gradients added in place to another (tied weights): {', '.join(added)}")
         if written:
             report.unfused = [u for u in report.unfused if u.node not in written]
             report.notes.append(f"{len(written)} mutated inputs written in place (no copy of the input, no copy back)")

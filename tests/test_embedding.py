@@ -262,34 +262,36 @@ def test_an_empty_tables_gradient_needs_no_kernel(device):
 
 class _TiedLM(nn.Module):
     """A language model's ends with the output layer's weight the embedding's (GPT-2's tied weights): the table's
-    gradient is the sum of both uses'.  A loss other than cross-entropy (which fuser's linear + cross-entropy
-    op would take, its weight gradient then scaled in a fused region): the output layer's gradient is a
-    matmul's result that the add may write over."""
+    gradient is the sum of both uses'.  With cross-entropy, fuser's linear + cross-entropy op takes the head and
+    its weight gradient is scaled in a fused region the add joins; with another loss it is a matmul's result."""
 
-    def __init__(self, words=6007, d=40):
+    def __init__(self, cross_entropy: bool, words=6007, d=40):
         super().__init__()
+        self.cross_entropy = cross_entropy
         self.words, self.mix = nn.Embedding(words, d, padding_idx=3), nn.Linear(d, d)
 
     def forward(self, ids):
         logits = torch.tanh(self.mix(self.words(ids))) @ self.words.weight.t()
+        if self.cross_entropy:
+            return nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
         return logits.square().mean()
 
 
-def test_a_tied_tables_rows_are_added_to_the_output_layers_gradient(device):
+@pytest.mark.parametrize("cross_entropy", [False, True], ids=["matmul", "cross-entropy"])
+def test_a_tied_tables_rows_are_added_to_the_output_layers_gradient(device, cross_entropy):
     """The scattered rows go straight into the output layer's gradient (no table of zeros, no add), repeated
     and padding ids included; the gradient matches eager's."""
     torch.manual_seed(0)
-    model = _TiedLM().to(device)
+    model = _TiedLM(cross_entropy).to(device)
     ids = torch.randint(0, 6007, (2, 45), device=device)
     ids[:, ::4] = 17  # repeated
     ids[1, 1::5] = 3  # the padding id: its rows count for none
     before = len(fuser.reports())
     notes = _grads_and_notes(model, ids)
     assert notes and "[6007, 40] table's gradient over 90 indices, rows scattered" in notes[0], notes
-    reports = fuser.reports()[before:]
-    assert any(n.startswith("embedding gradients added in place to another (tied weights)") for r in reports
-               for n in r.notes), [r.notes for r in reports]
-    assert "embedding_dense_backward_added" in "".join(c for r in reports for c in r.code)
+    assert "its rows added into" in notes[0], notes
+    code = "".join(c for r in fuser.reports()[before:] for c in r.code)
+    assert "embedding_dense_backward_added" in code and "embedding_dense_backward_scattered" not in code
 
 
 def test_rows_are_not_added_after_their_inputs_are_written_over(device):
@@ -311,4 +313,27 @@ def test_rows_are_not_added_after_their_inputs_are_written_over(device):
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, **tol(torch.float32, 4.0))
     notes = [n for r in fuser.reports()[before:] for n in r.notes]
-    assert any("rows scattered" in n for n in notes), notes
+    assert any("rows scattered" in n and "its rows added into" in n for n in notes), notes
+
+
+def test_rows_are_not_added_into_a_tensor_read_elsewhere(device):
+    """The tensor the gradient is added to is read again after the add (or is an input): its memory is not the
+    add's to write, so the table is made as eager makes it and added."""
+    v, d, n = 5000, 16, 100
+
+    def f(grad, ids, a, b, c):
+        other = a @ b
+        return other + aten.embedding_dense_backward(grad, ids, v, -1, False), other.sum(0), \
+            c + aten.embedding_dense_backward(grad * 2, ids, v, -1, False)
+
+    torch.manual_seed(0)
+    args = (torch.randn(n, d, device=device), torch.randint(0, v, (n,), device=device), torch.randn(v, 8, device=device),
+            torch.randn(8, d, device=device), torch.randn(v, d, device=device))
+    c = args[-1].clone()
+    before = len(fuser.reports())
+    got, want = fuser.fuse(f)(*args), f(*args)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, **tol(torch.float32, 4.0))
+    assert torch.equal(args[-1], c)  # the input added to is not written
+    notes = [n for r in fuser.reports()[before:] for n in r.notes]
+    assert any("rows scattered" in n for n in notes) and not any("rows added into" in n for n in notes), notes
