@@ -46,8 +46,18 @@ def embedding_dense_backward_scattered(grad: torch.Tensor, indices: torch.Tensor
 def embedding_dense_backward_added(other: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
                                    padding_idx: int, scale_grad_by_freq: bool) -> torch.Tensor:
     """`other.add_(aten.embedding_dense_backward(...))` by the scatter kernels, without the table of zeros: the
-    rows added to `other` in place (a tied embedding's gradient and the output layer's: `lower`)."""
-    return _grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq, scattered=True, into=other)
+    rows added to `other` in place (a tied embedding's gradient and the output layer's: `lower`).  The graph
+    traced an add (a new tensor): where `other` is a view (of a wider result), what is returned shares its memory
+    without being a view, as a new tensor would be (autograd refuses in-place writes to a view made inside a
+    compiled function's output)."""
+    out = _grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq, scattered=True, into=other)
+    if out._base is None:
+        return out
+    return torch.empty(0, dtype=out.dtype, device=out.device).set_(out.untyped_storage(), out.storage_offset(),
+                                                                   out.size(), out.stride())
+
+
+embedding_dense_backward_added.returns_args = slice(0, 1)  # its result is its first argument's memory (runtime.aliased)
 
 
 def _grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq, scattered: bool, into=None):

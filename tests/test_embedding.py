@@ -316,6 +316,26 @@ def test_rows_are_not_added_after_their_inputs_are_written_over(device):
     assert any("rows scattered" in n and "its rows added into" in n for n in notes), notes
 
 
+def test_rows_added_into_a_view_return_a_tensor_of_its_own(device):
+    """The tensor added to is a view of a wider matmul result: the rows go into its memory, and the result is
+    returned as the add's would be, not a view (so the caller may write it in place under autograd) (review
+    reproducer)."""
+    v, d, n = 5000, 16, 200
+
+    def f(grad, ids, a, b):
+        return (a @ b).view(v, d) + aten.embedding_dense_backward(grad, ids, v, -1, False)
+
+    torch.manual_seed(0)
+    args = (torch.randn(n, d, device=device), torch.randint(0, v, (n,), device=device),
+            torch.randn(2 * v, 8, device=device), torch.randn(8, 8, device=device, requires_grad=True))
+    before = len(fuser.reports())
+    got, want = fuser.fuse(f)(*args), f(*args)
+    assert any("its rows added into" in n for r in fuser.reports()[before:] for n in r.notes)
+    assert not got._is_view()
+    torch.testing.assert_close(got.detach().mul_(2), want.detach() * 2, **tol(torch.float32, 4.0))
+    got.mul_(2)  # in place on the compiled function's output: allowed, as on eager's
+
+
 def test_rows_are_not_added_into_a_tensor_read_elsewhere(device):
     """The tensor the gradient is added to is read again after the add (or is an input): its memory is not the
     add's to write, so the table is made as eager makes it and added."""
