@@ -24,7 +24,7 @@ from . import dtypes
 from .cost import embedding_grad_times
 from .graph import OWN_CALL, meta, static_shape
 from .plan import embedding_grad_plan, scatter_plan
-from .runtime import current, launch, launch_sequence
+from .runtime import current, launch, launch_sequence, new_tensor
 
 aten = torch.ops.aten
 MAX_ROWS = 4096  # tables past this never take the one-hot kernel (it reads the gradient once per 64 rows)
@@ -158,18 +158,10 @@ def _added_to(g: fx.Node) -> fx.Node | None:
             and isinstance(root.args[0], fx.Node):
         root = root.args[0]
     o, v, r, base = meta(x), meta(g), meta(a), meta(root)
-    if root.op != "call_function" or len(root.users) != 1 or not _new_tensor(root) or None in (o, v, r, base) \
+    if root.op != "call_function" or len(root.users) != 1 or not new_tensor(root) or None in (o, v, r, base) \
             or not o.is_contiguous() or o.storage_offset() != 0 or base.numel() != o.numel():
         return None
     return a if o.shape == v.shape == r.shape and o.dtype == v.dtype == r.dtype and o.device == v.device else None
-
-
-def _new_tensor(n: fx.Node) -> bool:
-    target = n.target
-    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
-        return False
-    returns = target._schema.returns
-    return len(returns) == 1 and returns[0].alias_info is None and target is not aten._unsafe_view.default
 
 
 def _taken(n: fx.Node) -> str | None:

@@ -254,9 +254,6 @@ def launch(source: str, name: str, grid, args, meta: dict, device_type: str):
     return launcher
 
 
-_sequences: dict = {}  # a caller's key -> (device index, [(compiled kernel, constexprs)] in launch order)
-
-
 def launch_sequence(source: str, launches: list, device_type: str, key) -> None:
     """Launch `launches` ((kernel name, grid, args, meta) each, in order) of `source`.  On CUDA, once a first
     call has compiled them, a call under the same `key` (the caller's: it must fix every launch's meta and int
@@ -273,14 +270,11 @@ def launch_sequence(source: str, launches: list, device_type: str, key) -> None:
         kernels = [(launcher.compiled.get(_spec(args)), launcher.constexprs)
                    for launcher, (_, _, args, _) in zip(launchers, launches)]
         if all(c is not None for c, _ in kernels):
-            if len(_sequences) >= BOUND_SIZES:  # sizes that vary (a batch's length): the oldest goes
-                del _sequences[next(iter(_sequences))]
             _sequences[key] = (0 if _ONE_GPU else _current_device(), kernels)
 
 
 def _aligned(launches) -> bool:
-    return all(a.data_ptr() % 16 == 0 for a in {id(a): a for _, _, args, _ in launches for a in args
-                                                if isinstance(a, torch.Tensor)}.values())
+    return all(a.data_ptr() % 16 == 0 for _, _, args, _ in launches for a in args if isinstance(a, torch.Tensor))
 
 
 def _spec(args) -> tuple:
@@ -718,6 +712,9 @@ class Recent(collections.OrderedDict):
 
 
 _LISTS = Recent(4)  # each entry holds its mask alive: few
+# launch_sequence's: a caller's key -> (device index, [(compiled kernel, constexprs)] in launch order); sizes
+# that vary (a batch's length) each take one, the oldest dropped
+_sequences = Recent(BOUND_SIZES)
 
 
 def lists_cache(q: torch.Tensor):
@@ -775,8 +772,9 @@ reinterpret = named("reinterpret", torch._C._dynamo.guards._reinterpret_tensor, 
 # parsed in C++ (OpOverload.__call__ adds a Python frame and pybind's schema matching: aten.mm.default
 # takes 2.7 us of host time against torch.mm's 1.6 on this project's CPU).  Each binding takes the
 # overload's arguments as AOT's graphs pass them (tensors positionally, options by keyword under the same
-# names: a binding names the first tensor `input`, not `self`) and resolves to this overload for them; the table holds the ops that stay eager in most graphs (matmuls, gathers, SDPA, copies, and the
-# GELU alone between two matmuls, which fuses with neither: bert's and ViT's, 4 a step).
+# names: a binding names the first tensor `input`, not `self`) and resolves to this overload for them; the
+# table holds the ops that stay eager in most graphs (matmuls, gathers, SDPA, copies, and the GELU alone
+# between two matmuls, which fuses with neither: bert's and ViT's, 4 a step).
 # Not index_put: its binding refuses the None of an index list (`cache[:, :, pos] = k`).
 _BINDINGS = {
     aten.mm.default: torch.mm, aten.addmm.default: torch.addmm, aten.bmm.default: torch.bmm,
@@ -963,7 +961,7 @@ def write_outputs_in_place(graph, allocations: set, donated: set = frozenset()) 
     kernel calls that write in place."""
     nodes = list(graph.nodes)
     redirect: dict = {}  # an output allocation dropped -> the owner whose memory the output took
-    owners = set(allocations) | set(donated) | {n for n in nodes if _new_tensor(n)}
+    owners = set(allocations) | set(donated) | {n for n in nodes if new_tensor(n)}
     pos, members, last, forever = _lifetimes(nodes, owners, lambda m: redirect.get(m, m))
 
     def dies_here(a, k, at: int):
@@ -1050,7 +1048,7 @@ def write_over_donated(graph, donated: set) -> list[str]:
     return write_outputs_in_place(graph, allocations, donated)
 
 
-def _new_tensor(n) -> bool:
+def new_tensor(n) -> bool:
     """An eager op whose result is a new tensor (its schema returns no alias)."""
     schema = getattr(_overload(n), "_schema", None) if n.op == "call_function" else None
     return schema is not None and _overload(n) is not torch.ops.aten._unsafe_view.default and len(schema.returns) == 1 \
@@ -1061,7 +1059,7 @@ def _in_place_op(n):
     """The in-place overload of an eager pointwise op (aten.gelu_.default for aten.gelu.default)."""
     target = _overload(n) if n.op == "call_function" else None
     if not isinstance(target, torch._ops.OpOverload) or \
-            torch.Tag.pointwise not in target.tags or target._schema.is_mutable or not _new_tensor(n):
+            torch.Tag.pointwise not in target.tags or target._schema.is_mutable or not new_tensor(n):
         return None
     packet = getattr(torch.ops.aten, target.__name__.split(".")[0] + "_", None)
     return getattr(packet, target._overloadname, None) if packet is not None else None
