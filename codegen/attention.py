@@ -11,6 +11,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fuser.dtypes import interpreting, math_import
 from fuser.ops import dropout_expr, helpers_for
@@ -91,6 +92,13 @@ def mask_structure(extra: torch.Tensor, kind: str, m: int, n: int) -> tuple[int,
 
 def _float(x: float) -> str:
     return f'float("{x}")' if x != x or x in (float("inf"), float("-inf")) else repr(x)
+
+
+def mask_line(kind: str, fill: float = 0.0) -> str:
+    """The score mod's line that applies a data mask `extra0` of `kind` (ScoreMod.data_mask's: "add" adds it;
+    boolean "drop" / "keep": where True drops / keeps the key, a dropped key's score `fill`)."""
+    return {"add": "s = s + extra0.to(tl.float32)", "drop": f"s = tl.where(extra0 != 0, {_float(fill)}, s)",
+            "keep": f"s = tl.where(extra0 != 0, s, {_float(fill)})"}[kind]
 
 
 @dataclass(frozen=True)
@@ -522,14 +530,19 @@ def attention_fwd(
 
 
 def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m: int, block_n: int,
-                by_keys: bool = False, lists_cache=None) -> tuple[list, list]:
+                by_keys: bool = False, lists_cache=None, same_value=None) -> tuple[list, list]:
     """(Each extra with its [B, Hq, M, N] strides (0 where it broadcasts), then, with a data mask, its tile
     lists per query block and, with `by_keys` (the backward's blocks), per key block; the launches that
     fill those lists, to run first: `list_launches`).  `lists_cache`: a mapping that keeps lists made
-    before for the same mask tensor (the same object, alive; its address, layout and version; the entry
-    holds its storage, so that the address is no other tensor's while it is there) and the same blocks: the
-    layers of a model that share one mask make its lists once a step.  The caller passes one only for a mask
-    whose writes bump its version (not a buffer a graph's program writes over; not under CUDA-graph capture)."""
+    before for the same mask and the same blocks, so that the layers of a model that share one mask make
+    its lists once a step.  The same mask: with `same_value` (an object that stands for the mask's value
+    while it lives: sdpa.RunTimeCheck.same_value), a mask of its shape, strides and dtype; else a tensor
+    over the same memory (still alive: no other can have its address), of the same layout and version
+    (views and detached tensors share the version of what they view: the slice of a buffer each call, a
+    saved tensor given back to the backward).  An entry holds no tensor and no memory.  The caller passes a
+    mapping only for a mask whose writes bump its version, or whose value `same_value` vouches for (not a
+    buffer a graph's program writes over; not under CUDA-graph capture); a write through a tensor of a version
+    counter of its own (`.data`, `set_`) is not seen, as by torch's checks of saved tensors."""
     args = []
     for e in extras:
         e = e.expand(B, Hq, M, N)
@@ -538,24 +551,29 @@ def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m:
         return args, []
     i, kind, _ = mod.data_mask
     mask = extras[i]
-    key = None if lists_cache is None or mask.is_inference() else (
-        mask.data_ptr(), mask.device, tuple(mask.shape), mask.stride(), mask.dtype, mask._version, kind, B, Hq, M, N,
-        block_m, block_n, by_keys)
+    blocks = (mask.device, tuple(mask.shape), mask.stride(), mask.dtype, kind, B, Hq, M, N, block_m, block_n, by_keys)
+    key = alive = None
+    if lists_cache is not None and same_value is not None:
+        key, alive = ("value", id(same_value), *blocks), weakref.ref(same_value)
+    elif lists_cache is not None and not mask.is_inference():
+        key, memory = (mask.data_ptr(), mask._version, *blocks), StorageWeakRef(mask.untyped_storage())
+        alive = lambda: not memory.expired()  # noqa: E731
     made = lists_cache.get(key) if key is not None else None
-    if made is not None and made[0]() is mask:
-        lists, launches = made[2], []
+    if made is not None and made[0]():
+        lists, launches = made[1], []
     else:
         lists, launches = list_launches(mask, kind, B, Hq, M, N, block_m, block_n, by_keys)
-        if key is not None:  # dropped with the mask: an entry only its own tensor can hit pins no memory after it
-            lists_cache[key] = (weakref.ref(mask, lambda _, key=key: lists_cache.pop(key, None)), mask.untyped_storage(),
-                                lists)
+        if key is not None:
+            lists_cache[key] = (alive, lists)
+            if same_value is not None:  # dropped with it
+                weakref.finalize(same_value, lists_cache.pop, key, None)
     for blocks in lists:
         args += [blocks, *blocks.stride()[:4]]
     return args, launches
 
 
 def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse: bool = False, seed=None, out=None,
-            lists_cache=None):
+            lists_cache=None, same_value=None):
     """Host side of one launch of ``attention_source(mod, D, dtype)``: checks the operands, allocates the output
     (and the row statistics) and gives ``(out, lse, grid, args, meta, first)``; the runtime loads the kernel and
     launches it, after `first`: launches (source, name, grid, args, meta) that fill a data mask's tile lists.
@@ -565,7 +583,7 @@ def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse
     lse: fp32 [2, B, Hq, M], each row's maximum score (natural log) and the log of its sum of exponentials;
     the log-sum-exp is their sum.  Computes ``softmax(mod(q @ k^T * scale)) @ v``.  `seed`: dropout's 0-d
     int64 seed, for a kernel made with dropout.  `out`: the output, any strides, where the caller allocates it.
-    `lists_cache`: see `_extra_args`.
+    `lists_cache`, `same_value`: see `_extra_args`.
     """
     B, Hq, M, D = q.shape
     Bk, Hkv, N, Dk = k.shape
@@ -581,7 +599,8 @@ def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse
     if out is None:
         out = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((2, B, Hq, M) if return_lse else (0,), dtype=torch.float32, device=q.device)
-    extra_args, first = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, lists_cache=lists_cache)
+    extra_args, first = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, lists_cache=lists_cache,
+                                    same_value=same_value)
     grid = (cdiv(M, block_m), B * Hq)
     args = (q, k, v, out, lse, out if seed is None else seed, *extra_args, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             Hq, Hq // Hkv, M, N, float(scale))

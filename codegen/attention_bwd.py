@@ -267,26 +267,28 @@ def _split(programs: int, group: int, device: torch.device) -> int:
 
 def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: float = 1.0, seed=None, lists_cache=None):
     """Host side of the backward: (dq, dk, dv, the gradients of the extras `mod.bias_grads` names (fp32, their
-    shapes), [(name, grid)] of the two kernels, their args and meta, first:
+    shapes), [(name, grid, meta)] of the two kernels (each its own tiles: `attention_bwd_plan`), their args, first:
     the launches to run before them, as `prepare`'s: delta = rowsum(dO * O), a data mask's tile lists).
     dout is read in its own layout.  The gradients are q's, k's and v's shapes in their dtypes, contiguous.
     `seed`: the forward's dropout seed, for kernels made with dropout.  `lists_cache`: see attention._extra_args."""
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
-    block_m, block_n, num_warps, num_stages = attention_bwd_plan(D, q.dtype, q.is_cuda)
+    kv_plan, q_plan = attention_bwd_plan(D, q.dtype, q.is_cuda, listed=bool(mod.data_mask))
+    if mod.data_mask and kv_plan[:2] != q_plan[:2]:
+        raise ValueError(f"attention backward: a data mask's tile lists are made for one tile shape, not {kv_plan} and {q_plan}")
     block_d = max(16, next_pow2(D))
     delta = torch.empty((B, Hq, M), dtype=torch.float32, device=q.device)
     rows = min(64, 4096 // block_d) if q.is_cuda else 16  # O's and dO's tiles: 4096 fp32 values each at most
     first = [(DELTA_SOURCE, "attention_bwd_delta", (cdiv(M, rows), B * Hq),
               (out, dout, delta, *out.stride(), *dout.stride(), Hq, M, D), dict(BLOCK_M=rows, BLOCK_D=block_d))]
     dq = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
-    split = _split(cdiv(N, block_n) * B * Hkv, Hq // Hkv, q.device)
+    split = _split(cdiv(N, kv_plan[1]) * B * Hkv, Hq // Hkv, q.device)
     if split > 1:  # summed atomically in fp32, rounded after (the caller's .to)
         dk, dv = (torch.zeros((B, Hkv, N, D), dtype=torch.float32, device=q.device) for _ in range(2))
     else:
         dk = torch.empty((B, Hkv, N, D), dtype=k.dtype, device=q.device)
         dv = torch.empty((B, Hkv, N, D), dtype=v.dtype, device=q.device)
-    extra_args, lists = _extra_args(extras, mod, B, Hq, M, N, block_m, block_n, by_keys=True, lists_cache=lists_cache)
+    extra_args, lists = _extra_args(extras, mod, B, Hq, M, N, *q_plan[:2], by_keys=True, lists_cache=lists_cache)
     dextras = []  # a learned bias's gradient: fp32, its own shape (the kernel sums over where it broadcasts)
     for i, _ in mod.bias_grads:
         e = extras[i]
@@ -295,7 +297,8 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     args = (q, k, v, dout, lse, delta, dq, dk, dv, dq if seed is None else seed, *extra_args, *q.stride(), *k.stride(),
             *v.stride(), *dout.stride(), Hq, Hq // Hkv, M, N, B * Hq * M, split, float(scale))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32", ATOMIC=split > 1,
-                num_warps=num_warps, num_stages=num_stages)
-    launches = [("attention_bwd_dkdv", (cdiv(N, block_n), B * Hkv * split)), ("attention_bwd_dq", (cdiv(M, block_m), B * Hq))]
-    return dq, dk, dv, dextras, launches, args, meta, first + lists
+    meta = [dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32", ATOMIC=split > 1,
+                 num_warps=warps, num_stages=stages) for block_m, block_n, warps, stages in (kv_plan, q_plan)]
+    launches = [("attention_bwd_dkdv", (cdiv(N, kv_plan[1]), B * Hkv * split), meta[0]),
+                ("attention_bwd_dq", (cdiv(M, q_plan[0]), B * Hq), meta[1])]
+    return dq, dk, dv, dextras, launches, args, first + lists

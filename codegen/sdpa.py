@@ -226,7 +226,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
             filled = any(packet(n) in (aten.masked_fill, aten.where) for n in att.chain)
             if not set(sources) <= set(buffers) or m != shape(k)[2] or att.dropout or not filled:  # a padding mask (new every call), or
                 sources = []  # a decode step (torch's causal mask is square), a bias (T5's: no fill)
-            if c is not None:  # shared by the attentions reading the same mask (T5's position bias)
+            if c is not None and not sources:  # shared by the attentions reading the same mask (T5's position bias)
                 if ("clamped", checked) not in fixups:
                     fixups[("clamped", checked)] = _in_safe_range(build, c, value)
                 c = fixups[("clamped", checked)]
@@ -249,15 +249,17 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     for op, factor in factors:  # (q * f) @ k^T == (q @ k^T) * f; q rounds where eager rounded the scores
         q = build(op, q, factor)
     fix_rows = c is not None and value is None and not finite(checked) and not att.safe  # a constant mask was checked above
-    if fix_rows and checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
-        fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
-    if sources:
+    boolean = _boolean(checked) if sources else None
+    if sources:  # the mask as the program made it: clamped, and its rows of -inf found, only where SDPA takes it
         d = shape(q)[-1]
         ours = meta(q).dtype in (torch.float16, torch.bfloat16, torch.float32) and d.is_Integer and int(d) <= 256
         # ours: what our kernels take (as fuser.pregrad checks for training); else SDPA with the mask
-        out = build(causal_or_masked(structured if ours else None, listed if ours else None), q, k, v, c,
-                    fixups[checked] if fix_rows else None, *sources, scale=scale)
+        given = boolean[0] if boolean else c  # a boolean mask read as it is: no additive copy made per call
+        out = build(causal_or_masked(structured if ours else None, listed if ours else None, fix_rows,
+                                     *(boolean[1:] if boolean else ())), q, k, v, given, *sources, scale=scale)
     else:
+        if fix_rows and checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
+            fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
         out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
         if fix_rows:
             nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype)
@@ -267,10 +269,14 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
     if att.dropout:
         text.append(f"dropout_p={att.dropout:g} (SDPA's own random stream: eager's masks differ, not their law)")
-    if c is not None and c is not checked:
-        text.append(f"mask clamped to +-{SAFE_MASK:g} (SDPA's exp2 would overflow finfo.min)")
+    if c is not None and (c is not checked or sources and _clamps(checked)):
+        text.append(f"mask clamped to +-{SAFE_MASK:g} (SDPA's exp2 would overflow finfo.min)"
+                    + (" where SDPA takes it" if sources else ""))
     if factors:
         text.append(f"q scaled by {', '.join(f.name for _, f in factors)} (a scale given at run time)")
+    if boolean:
+        text.append(f"the boolean {boolean[0].name} read as the mask ({boolean[1]}, fill {boolean[2]:g}; "
+                    "no additive mask made)")
     if sources:
         text.append(f"the mask (from {', '.join(x.name for x in sources)}) checked at run time for torch's "
                     "causal mask (then is_causal, no mask read)"
@@ -280,7 +286,8 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
         text.append("enable_gqa=True" if c is None or sources else
                     f"K/V heads repeated x{h // hkv} (the masked kernel has no GQA)")
     if fix_rows:
-        text.append("rows whose every key is -inf set to NaN, as eager")
+        text.append("rows whose every key is -inf set to NaN, as eager" + (" (our kernel gives NaN there itself)"
+                                                                           if sources and listed else ""))
     if att.safe:
         text.append("SDPA's math path as the tracer decomposed it (_safe_softmax: a fully masked row gives 0), "
                     + ("run on the program's 16-bit q, k, v" if low else "q and k scales folded"))
@@ -371,7 +378,7 @@ def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:
     and multiply the mask by log2(e): a finfo.min of bf16 or fp32 (HF's masks) overflows to -inf
     there, and a row masked entirely by it gives 0 instead of eager's uniform average.  Any value past
     1e30 absorbs the scores the same, so the clamp changes nothing else; -inf stays -inf."""
-    if torch.finfo(meta(c).dtype).max <= SAFE_MASK:
+    if not _clamps(c):
         return c
     if value is not None:
         with real_tensors():
@@ -380,6 +387,31 @@ def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:
                 return c
     clamped = build(aten.clamp.default, c, -SAFE_MASK, SAFE_MASK)
     return build(aten.where.self, build(aten.isinf.default, c), c, clamped)
+
+
+def _boolean(c: fx.Node) -> tuple[fx.Node, str, float] | None:
+    """(b, kind, fill) where the additive mask `c` is `where(b, fill, 0)` ("drop": True masks) or `where(b, 0,
+    fill)` ("keep") of a boolean b and a fill that absorbs any score (<= -ABSORBING), perhaps cast after (the fill
+    then as the cast rounds it): masked_fill's and torch.where's masks, which a kernel reads as booleans."""
+    dtype = meta(c).dtype
+    if packet(c) in (aten._to_copy, torch.ops.prims.convert_element_type) and meta(c.args[0]).dtype.is_floating_point:
+        c = c.args[0]
+    if packet(c) is not aten.where or len(c.args) != 3 or meta(c.args[0]).dtype != torch.bool:
+        return None
+    a, b = (_number(x) for x in c.args[1:])
+    if a is None or b is None:
+        return None
+    a, b = (torch.tensor(x, dtype=meta(c).dtype).to(dtype).item() for x in (a, b))
+    if b == 0 and a <= -ABSORBING:
+        return c.args[0], "drop", a
+    if a == 0 and b <= -ABSORBING:
+        return c.args[0], "keep", b
+    return None
+
+
+def _clamps(c: fx.Node) -> bool:
+    """Whether the mask's dtype holds finite values past SDPA's safe range."""
+    return torch.finfo(meta(c).dtype).max > SAFE_MASK
 
 
 def mask_sources(mask: fx.Node) -> list:
@@ -411,21 +443,35 @@ class RunTimeCheck:
     None (the mask is applied as given)."""
 
     def __init__(self):
-        self.stamp, self.answer, self.checks = None, None, 0
+        self.stamp, self.answer, self.checks, self.value = None, None, 0, None
+
+    def _same(self, sources) -> bool:
+        return self.stamp is not None and len(self.stamp) == len(sources) and all(
+            r() is x and version == x._version for (r, version), x in zip(self.stamp, sources))
 
     def __call__(self, sources, compute):
-        if self.stamp is not None and len(self.stamp) == len(sources) and all(
-                r() is x and version == x._version for (r, version), x in zip(self.stamp, sources)):
+        if self._same(sources):
             return self.answer
         if self.checks > RECHECKS:
             return None
         self.stamp = [(weakref.ref(x), x._version) for x in sources]
+        self.value = SameValue()
         self.answer = compute()
         self.checks += 1
         return self.answer
 
+    def same_value(self, sources) -> "SameValue | None":
+        """An object that stands for the value of what the sources make while they are the tensors and
+        versions of the last check (a new one after each check), or None where they are not: what a mask made
+        of them alone keeps across calls (its tile lists: codegen.attention._extra_args)."""
+        return self.value if self._same(sources) else None
 
-def causal_or_masked(structured=None, listed=None):
+
+class SameValue:
+    """See RunTimeCheck.same_value (a class: its instances can be weakly referenced)."""
+
+
+def causal_or_masked(structured=None, listed=None, fix_rows: bool = False, kind: str = "add", fill: float = 0.0):
     """A new call site of SDPA over a mask computed from parameters and buffers (nanoGPT's causal
     `bias` buffer, Mistral's window), with its own decision (kept by the compiled graph that calls
     it, gone with it).  Where the mask is torch's causal mask (0 on and below the diagonal, <= -1e30
@@ -433,38 +479,47 @@ def causal_or_masked(structured=None, listed=None):
     is a sliding window over that and `structured(q, k, v, window, scale)` is given (our kernel,
     which skips the tiles outside the window), that runs.  The check (a few comparisons and a host
     sync) runs again only when an input the mask is made from is another tensor or was written in
-    place (its version), at most RECHECKS times; else the mask (clamped in the graph) is applied as
-    given: by `listed(q, k, v, mask, scale)` where given (our kernel over the tiles the mask keeps, the
+    place (its version), at most RECHECKS times; else the mask is applied as the program made it: by
+    `listed(q, k, v, mask, scale, same)` where given (our kernel over the tiles the mask keeps, the
     ones it masks whole skipped: 0.65 against SDPA's 1.8 ms forward with a padded causal mask at S4096,
-    whose memory-efficient kernel reads the whole mask), else by SDPA; `nan_rows` (rows of -inf) give NaN
-    as eager's do."""
+    whose memory-efficient kernel reads the whole mask; rows of -inf give NaN there as in eager; `same`:
+    RunTimeCheck.same_value, so that the lists are made once while the sources stay), else by SDPA, the
+    mask clamped to +-SAFE_MASK first and, with `fix_rows`, its rows of -inf set to NaN after, as eager's.
+    `kind`: the mask additive ("add"), or a boolean whose True keeps ("keep") or masks ("drop") a key, masked
+    keys then at `fill` (in q's dtype)."""
     check = RunTimeCheck()
 
-    def causal_or_masked(q, k, v, mask, nan_rows, *sources, scale: float):
+    def causal_or_masked(q, k, v, mask, *sources, scale: float):
         gqa = q.shape[1] != k.shape[1]
         if not isinstance(q, FakeTensor):
-            found = check(sources, lambda: _structure(mask, q.shape[2], k.shape[2]))
+            found = check(sources, lambda: _structure(mask, q.shape[2], k.shape[2], kind))
             if found is not None:
                 window = found[1]
                 if window is None:
                     return aten.scaled_dot_product_attention.default(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
                 if structured is not None:
                     return structured(q, k, v, window, scale)
-        if listed is not None and not isinstance(q, FakeTensor):
-            out = listed(q, k, v, mask, scale)
-            return out if nan_rows is None else torch.where(nan_rows, float("nan"), out)
+            if listed is not None:
+                return listed(q, k, v, mask, scale, check.same_value(sources), kind, fill)
         if gqa:  # the memory-efficient kernel (the one taking a mask) has no GQA
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
-        out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=scale)
-        return out if nan_rows is None else torch.where(nan_rows, float("nan"), out)
+        if kind != "add":  # the additive mask the program made
+            mask = torch.where(mask if kind == "drop" else ~mask, torch.tensor(fill, dtype=q.dtype, device=q.device),
+                               torch.zeros((), dtype=q.dtype, device=q.device))
+        safe = mask
+        if torch.finfo(mask.dtype).max > SAFE_MASK:  # as _in_safe_range in a graph
+            safe = torch.where(mask.isinf(), mask, mask.clamp(-SAFE_MASK, SAFE_MASK))
+        out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask=safe, scale=scale)
+        return torch.where(mask.amax(-1, keepdim=True) == float("-inf"), float("nan"), out) if fix_rows else out
     causal_or_masked.causal_check = True
     return causal_or_masked
 
 
-def _structure(mask: torch.Tensor, m: int, n: int) -> tuple[int, int | None] | None:
-    """(0, window or None) where the additive mask (clamped: masked at <= -ABSORBING) is the same for every batch
-    and head and masks exactly the keys past the diagonal (and, with a window, those `window` or more behind)."""
-    found = mask_structure(mask, "add", m, n)
+def _structure(mask: torch.Tensor, m: int, n: int, kind: str) -> tuple[int, int | None] | None:
+    """(0, window or None) where the mask (additive, masked at <= -ABSORBING; or boolean: `kind`) is the same for
+    every batch and head and masks exactly the keys past the diagonal (and, with a window, those `window` or
+    more behind)."""
+    found = mask_structure(mask, kind, m, n)
     return found if found is not None and found[0] == 0 else None
 
 

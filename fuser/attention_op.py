@@ -227,10 +227,10 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), []
     m = taken[1] if taken is not None else m
     source = _source(attention_bwd_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
-    dq, dk, dv, dextras, launches, args, meta, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
+    dq, dk, dv, dextras, launches, args, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
                                                                    scale=scale, seed=seed,
                                                                    lists_cache=lists_cache(q) if keep_lists else None)
-    run_kernels(first + [(source, name, grid, args, meta) for name, grid in launches], q.device.type)
+    run_kernels(first + [(source, name, grid, args, meta) for name, grid, meta in launches], q.device.type)
     return dq, dk.to(k.dtype), dv.to(v.dtype), [g.to(extras[i].dtype) for (i, _), g in zip(m.bias_grads, dextras)]
 
 

@@ -17,7 +17,7 @@ from fuser.codegen import attention as attention_codegen
 from fuser.codegen import sdpa
 from fuser.codegen.kernel import CodegenError, generate
 from fuser.codegen.score_mod import score_mod
-from fuser.patterns.attention import extra_forms, find, mask_structure, normalize_attention, resolved
+from fuser.patterns.attention import extra_forms, find, mask_structure, normalize_attention, resolved, what_the_kernel_reads
 
 from . import ops
 from .cost import eager_cost, tensor_bytes
@@ -27,8 +27,8 @@ from .fold import drop_identities, fold_constants
 from .gqa import share_kv_heads
 from .padding import pad_matmuls
 from .split import split_column_sums, split_whole_sums, unroll_small_sums
-from .graph import ComputeGraph, meta, replaced, shape
-from .runtime import AttentionKernel, RegionKernel, fast_calls, run_attention, write_inputs_in_place
+from .graph import ComputeGraph, fake_mode_of, meta, replaced, shape
+from .runtime import AttentionKernel, RegionKernel, fast_calls, lists_cache, run_attention, write_inputs_in_place
 from .partition import Partitioner
 from .report import FusionReport, RegionReport, Unfused
 from .rewrite import Unbound, bind_sizes, rewrite
@@ -74,13 +74,17 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     units, kernels, dropped = [], [], []
     hints = dict(cg.sizes.hints)
     bound, made = {}, {}
+    mods = []
     for a in attentions:
-        kernel = _attention_kernel(a, cg, f"attention_{a.id}")
+        kernel, mod = _attention_kernel(a, cg, f"attention_{a.id}")
         units.append(a)
         kernels.append(kernel)
+        mods.append(mod)
         why = f"not SDPA: {not_sdpa[a.out]}" if a.out in not_sdpa else "attention='triton'"
         report.regions.append(_attention_report(a, cg, kernel.name, kernel.source, graph_index,
                                                 len(report.regions), hints, f"triton flash kernel ({why})"))
+    if any([_narrow_extras(a, mod, kernel) for a, mod, kernel in zip(attentions, mods, kernels)]):
+        cg = ComputeGraph(gm.graph)  # new nodes
     part, emitted = _emit_regions(gm, cg, taken)
     for region, kernel, cost in emitted:
         try:
@@ -187,14 +191,29 @@ def _emit_regions(gm, cg, taken: set):
         sealed, apart = sealed | seal, apart | refused
 
 
-def _attention_kernel(att, cg, name: str) -> AttentionKernel:
-    """The flash-attention kernel of a recognised attention, its score chain as the score mod."""
+def _attention_kernel(att, cg, name: str) -> tuple[AttentionKernel, attention_codegen.ScoreMod]:
+    """The flash-attention kernel of a recognised attention, its score chain as the score mod (returned too)."""
     with target(meta(att.q).device.type):
         mod = score_mod(att.scores, att.chain, att.extras, cg, mask_structure(att, cg), extra_forms(att))
         source = attention_codegen.attention_source(mod, int(shape(att.q)[-1]), meta(att.q).dtype)
-    return AttentionKernel(name, source, functools.partial(attention_codegen.prepare, mod=mod),
-                           tuple(shape(n) for n in att.inputs), tuple(meta(n).dtype for n in att.inputs),
-                           meta(att.out).dtype, "score mod: " + "; ".join(mod.lines))
+    return (AttentionKernel(name, source, functools.partial(attention_codegen.prepare, mod=mod),
+                            tuple(shape(n) for n in att.inputs), tuple(meta(n).dtype for n in att.inputs),
+                            meta(att.out).dtype, "score mod: " + "; ".join(mod.lines)), mod)
+
+
+def _narrow_extras(att, mod, kernel: AttentionKernel) -> bool:
+    """The extras the kernel computes from the positions narrowed in the graph to the elements it reads
+    (`att.extras` and the kernel's input shapes updated), so that no M x N mask or bias is made for it;
+    whether any was."""
+    graph, narrowed = att.q.graph, False
+    for i, e in enumerate(att.extras):
+        narrow = what_the_kernel_reads(graph, e, mod.form(i), fake_mode_of(graph))
+        if narrow is not e:  # the nodes the kernel replaces read it instead (shapes that broadcast alike; their values
+            for n in att.nodes:  # are never computed), so the partition sees who reads it, and nothing reads `e`
+                n.replace_input_with(e, narrow)
+            att.extras[i], narrowed = narrow, True
+    kernel.in_shapes = tuple(shape(n) for n in att.inputs)
+    return narrowed
 
 
 def _one_device(a) -> bool:
@@ -239,18 +258,20 @@ def _windowed(q, k, v, window: int, scale: float):
     return _ours(q, k, v, (), attention_codegen.ScoreMod((), causal=True, window=window), scale)
 
 
-def _listed(q, k, v, mask, scale: float):
-    """Attention with the additive `mask` (clamped: masked at <= -1e30) over the tiles it keeps, those it masks
-    whole skipped and those it keeps whole not read: what a mask in a buffer with no structure runs
-    (sdpa.causal_or_masked).  Its lists are made per call (the mask is the graph's, its buffer may be
-    written over by the program without a version bump)."""
-    mod = attention_codegen.ScoreMod(("s = s + extra0.to(tl.float32)",), n_extra=1, data_mask=(0, "add", mask.dtype))
-    return _ours(q, k, v, (mask,), mod, scale)
+def _listed(q, k, v, mask, scale: float, same_value=None, kind: str = "add", fill: float = 0.0):
+    """Attention with `mask` (additive, or a boolean whose True keeps or drops a key, `kind`, dropped keys at
+    `fill`) over the tiles it keeps, those it masks whole skipped and those it keeps whole not read: what a
+    mask in a buffer with no structure runs (sdpa.causal_or_masked).  Its lists are kept across calls only
+    while `same_value` (sdpa.RunTimeCheck.same_value) vouches for the mask's value: the mask may be the
+    graph's, made again each call, its memory perhaps another tensor's at the next."""
+    mod = attention_codegen.ScoreMod((attention_codegen.mask_line(kind, fill),), n_extra=1, data_mask=(0, kind, mask.dtype))
+    kept = dict(lists_cache=lists_cache(q), same_value=same_value) if same_value is not None else {}
+    return _ours(q, k, v, (mask,), mod, scale, **kept)
 
 
-def _ours(q, k, v, extras, mod, scale: float):
+def _ours(q, k, v, extras, mod, scale: float, **kept):
     source = _attention_source(mod, q.shape[-1], q.dtype, q.device.type)
-    return run_attention(source, attention_codegen.prepare, q, k, v, extras, mod=mod, scale=scale)[0]
+    return run_attention(source, attention_codegen.prepare, q, k, v, extras, mod=mod, scale=scale, **kept)[0]
 
 
 @functools.lru_cache(maxsize=64)

@@ -103,15 +103,19 @@ def attention_plan(head_dim: int, dtype, on_gpu: bool, listed: bool = False) -> 
     return 128, 64, 8, 2
 
 
-def attention_bwd_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the attention backward's two kernels.  GPU, 16-bit:
-    D128 64x64, 4 warps, 2 stages won sweeps of 6-8 (H100 run 24: soft-cap 5.02 ms a step against 5.88 with 3
+def attention_bwd_plan(head_dim: int, dtype, on_gpu: bool, listed: bool = False) -> tuple[tuple, tuple]:
+    """((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, that of the dQ kernel): the dK/dV kernel
+    owns BLOCK_N keys and walks the queries BLOCK_M at a time, the dQ kernel the other way round.  `listed`: they
+    walk a data mask's tile lists (made for one tile shape: the two kernels share it).  GPU, 16-bit: D128 64x64,
+    4 warps, 2 stages won sweeps of 6-8 shared configs (H100 run 24: soft-cap 5.02 ms a step against 5.88 with 3
     stages; H200 run 51: soft-cap and a padding mask's lists, 128x64 8 warps within 7% on dK/dV, 30% slower on
     dQ); D64 64x64, 4 warps, 3 stages (H200 runs 50-51: 0.46 ms of dK/dV + dQ over lists against 0.73 for the
     forward's old 128x64, 8 warps).  Other head dims and dtypes take the forward's plan until swept."""
     if on_gpu and dtype != torch.float32 and head_dim <= 128:
-        return (64, 64, 4, 2) if head_dim > 64 else (64, 64, 4, 3)
-    return attention_plan(head_dim, dtype, on_gpu)
+        cfg = (64, 64, 4, 2) if head_dim > 64 else (64, 64, 4, 3)
+    else:
+        cfg = attention_plan(head_dim, dtype, on_gpu)
+    return cfg, cfg
 
 
 EMBEDDING_PARTIAL_BYTES = 1 << 20

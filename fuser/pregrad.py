@@ -34,11 +34,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fuser.codegen import sdpa
-from fuser.codegen.attention import LinearBias
 from fuser.codegen.score_mod import plain_scale, score_mod
 from fuser.graph import ComputeGraph, meta, replace_output
 from fuser.patterns import cross_entropy
 from fuser.patterns.attention import (dropout_site, extra_forms, find, mask_structure, normalize_attention, resolved,
+                                     what_the_kernel_reads,
                                      safe_rows)
 
 from .attention_op import flash_attention_op, register_mod, register_site
@@ -393,7 +393,7 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set,
     if biases:
         return f"the score chain reads {', '.join(biases)}, which needs a gradient, through ops with no derivative rule", ""
     with gm.graph.inserting_before(a.out):
-        extras = [_what_the_kernel_reads(gm.graph, e, mod.form(i)) for i, e in enumerate(a.extras)]
+        extras = [what_the_kernel_reads(gm.graph, e, mod.form(i)) for i, e in enumerate(a.extras)]
         seeds = [_draw_seed(gm.graph, meta(a.q).device)] if a.dropout else []  # a seed per site: counters from 0
         sources = sdpa.mask_sources(a.extras[mod.data_mask[0]]) if mod.data_mask else []
         site, flash = -1, None
@@ -419,13 +419,3 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set,
                       "the tiles it masks whole skipped, listed per call")
     return None, f"; the tiles its {kind} mask masks whole skipped, listed per call" if kind else ""
 
-
-def _what_the_kernel_reads(graph: fx.Graph, e: fx.Node, form) -> fx.Node:
-    """An extra the kernel computes from the positions is not read whole: a structural mask not at
-    all, a slope * (k - q) bias at q = 0, k = 1 only.  The op gets that element per batch and head
-    (a copy, so the M x N tensor is not kept for the backward, nor made where it can be fused away)."""
-    if form is None:
-        return e
-    k = slice(1, 2) if isinstance(form, LinearBias) else slice(0, 1)
-    one_row = graph.call_function(aten.slice.Tensor, (e, -2, 0, 1))
-    return graph.call_function(aten.clone.default, (graph.call_function(aten.slice.Tensor, (one_row, -1, k.start, k.stop)),))

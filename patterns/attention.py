@@ -541,6 +541,27 @@ def extra_forms(att: Attention) -> tuple:
     return tuple(forms)
 
 
+def what_the_kernel_reads(graph: fx.Graph, e: fx.Node, form, mode=None) -> fx.Node:
+    """An extra the kernel computes from the positions (`form`: extra_forms') is not read whole: a structural
+    mask not at all, a slope * (k - q) bias at q = 0, k = 1 only.  The kernel gets that element per batch and
+    head, a copy made before the extra's first reader, so that the M x N tensor is neither kept for a backward
+    nor made at all where its producer fuses into the copy.  `mode`: the graph's fake mode, where the new
+    nodes need their fake tensors (a graph after AOT Autograd)."""
+    if form is None:
+        return e
+    k = 1 if isinstance(form, LinearBias) else 0
+    first = next(n for n in graph.nodes if n in e.users)
+    n = e
+    for target, args in ((aten.slice.Tensor, (-2, 0, 1)), (aten.slice.Tensor, (-1, k, k + 1)), (aten.clone.default, ())):
+        n = insert(graph, first, mode, target, n, *args) if mode is not None else _call(graph, first, target, n, *args)
+    return n
+
+
+def _call(graph: fx.Graph, before: fx.Node, target, *args) -> fx.Node:
+    with graph.inserting_before(before):
+        return graph.call_function(target, args)
+
+
 def _form_of(value: torch.Tensor, m: int, n: int):
     if value.dim() > 4 or tuple(value.shape[-2:]) != (m, n):
         return None

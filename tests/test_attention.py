@@ -117,8 +117,8 @@ def _constant_score_mod(form, m, n, h):
 @pytest.mark.parametrize("m, n", [(45, 45), (20, 45)])
 def test_masks_and_biases_built_from_constants_are_computed_from_indices(form, m, n, device):
     """A causal or window mask, or a bias slope * (k - q), built in the graph from constants is
-    computed in the kernel from the positions (no M x N tile loaded per step) and its structure
-    skips tiles; checked on every element at compile time, so a bias of another form (|k - q|)
+    computed in the kernel from the positions (no M x N tile loaded per step, no M x N tensor made) and its
+    structure skips tiles; checked on every element at compile time, so a bias of another form (|k - q|)
     stays a load.  Prefill alignment (m < n) included."""
     torch.manual_seed(3)
     q, k, v = _qkv(device, m=m, n=n)
@@ -135,6 +135,9 @@ def test_masks_and_biases_built_from_constants_are_computed_from_indices(form, m
     if not loads:
         assert "computed from the indices, not read" in r.source
         assert f"causal (offset {n - m})" in r.source
+        # nor made: the graph computes only the elements the kernel reads (a slope per head), no M x N tensor
+        made = [x for reg in fused.report.regions if reg.kind != "attention" for x in reg.output_shapes]
+        assert not any(f"{m}, {n}]" in x for x in made), made
     assert ("window 7" in r.source) == (form == "window"), r.source
 
 
@@ -558,13 +561,20 @@ def test_attention_in_float64_training_stays_with_its_ops(device):
 
 
 class _KeepBuffer(torch.nn.Module):
-    def __init__(self, keep):
+    def __init__(self, keep, form="masked_fill"):
         super().__init__()
         self.register_buffer("keep", keep)
+        self.form = form
 
     def forward(self, q, k, v):
         s = (q @ k.transpose(-1, -2)) * 0.3
-        return torch.softmax(s.masked_fill(self.keep == 0, float("-inf")), -1) @ v
+        if self.form == "where, finfo.min":  # a row masked whole: eager's uniform average, not NaN
+            s = torch.where(self.keep != 0, s, torch.finfo(s.dtype).min)
+        elif self.form == "additive":  # a mask and a bias: no boolean to read as it is
+            s = s.masked_fill(self.keep == 0, float("-inf")) + 0.5 * self.keep
+        else:
+            s = s.masked_fill(self.keep == 0, float("-inf"))
+        return torch.softmax(s, -1) @ v
 
 
 @pytest.mark.parametrize("dtype, d, ours", [(torch.float32, 24, True), (torch.float64, 16, False),
@@ -590,3 +600,41 @@ def test_a_buffer_mask_of_no_structure_runs_our_kernel_where_it_can(dtype, d, ou
     torch.testing.assert_close(got, model(q, k, v), **TOL.get(dtype, TOL[torch.float32]))
     assert listed == ([True] if ours else []), listed
     assert not fused.report.all_fallbacks, fused.report.all_fallbacks
+
+
+@pytest.mark.parametrize("dtype, d, form", [(torch.float32, 24, "masked_fill"), (torch.float64, 16, "masked_fill"),
+                                            (torch.float32, 24, "where, finfo.min"), (torch.float64, 16, "where, finfo.min"),
+                                            (torch.float32, 24, "additive")])
+def test_a_buffer_mask_of_no_structure_keeps_its_lists_and_nan_rows(dtype, d, form, device):
+    """A mask made from a buffer alone, of no structure, with a row that keeps no key: eager's NaN there (-inf
+    fill) or uniform average (finfo.min), from our kernel itself (fp32) or SDPA's call with the mask clamped and
+    that row set back to NaN (fp64, which our kernel does not take); neither the clamp nor the row check is
+    computed in the graph, and a boolean mask (masked_fill's, torch.where's) is read as it is, no additive copy
+    made.  Its tile lists are made once while the buffer is unchanged, and again after a write in place, whose
+    values the outputs follow."""
+    import fuser.codegen.attention as codegen_attention
+    torch.manual_seed(38)
+    keep = (torch.rand(1, 1, 45, 45, device=device) < 0.6).to(dtype)
+    keep.diagonal(dim1=-2, dim2=-1).fill_(1)
+    keep[..., 5, :] = 0  # row 5 keeps no key: NaN in eager
+    model = _KeepBuffer(keep, form)
+    made, real = [], codegen_attention.list_launches
+    codegen_attention.list_launches = lambda *a: made.append(1) or real(*a)
+    try:
+        fused = fuser.fuse(model)
+        with torch.no_grad():
+            for step in range(4):
+                if step == 2:
+                    model.keep[..., 30, :7] = 1 - model.keep[..., 30, :7]  # a write in place: new value, new lists
+                q, k, v = (torch.randn(2, 3, 45, d, device=device, dtype=dtype) for _ in range(3))
+                got, want = fused(q, k, v), model(q, k, v)
+                assert want[:, :, 5].isnan().all() == (form != "where, finfo.min")
+                torch.testing.assert_close(got, want, equal_nan=True, **TOL.get(dtype, TOL[torch.float32]))
+    finally:
+        codegen_attention.list_launches = real
+    assert len(made) == (2 if dtype == torch.float32 else 0), made
+    text = str(fused.report)
+    assert "where SDPA takes it" in text or dtype == torch.float32 and "clamped" not in text, text
+    assert ("read as the mask" in text) == (form != "additive"), text
+    assert not any(r.kind == "reduction" for r in fused.report.regions), fused.report  # no row check in the graph
+    assert all(r.kind == "attention" for r in fused.report.regions) == (form != "additive"), fused.report  # nor a mask

@@ -617,10 +617,10 @@ def test_a_buffer_found_causal_at_run_time_runs_the_structured_or_sdpa_kernels(p
 
 def test_kept_tile_lists_follow_the_mask_tensor():
     """A data mask's lists kept across calls (fuser::flash_attention with keep_lists, runtime.lists_cache) are
-    used again only for the same mask tensor, unwritten: a write in place (its version), another tensor over the
-    same memory, or the tensor pointed at other memory (`.data =`) gets new lists; the entry holds the mask's
-    storage, so no other tensor takes its address while it is kept, and goes when the tensor does.  Outputs match
-    fp64 eager throughout."""
+    used again only for a mask over the same memory, alive, of the same layout and version: a view of it hits
+    (a slice made again each call, a saved tensor given back to the backward); a write in place (its version),
+    the tensor pointed at other memory (`.data =`), or a new tensor where a freed one was get new lists.  An
+    entry pins no memory.  Outputs match fp64 eager throughout."""
     import gc
 
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -642,21 +642,29 @@ def test_kept_tile_lists_follow_the_mask_tensor():
         out, _ = attention_op.flash_attention_op(q, k, v, [mask], 0.3, key, 0.0, [], -1, [], True)
         check(out, reference(q, k, v, 0.3, mod=lambda s, qi, ki: s + mask.double())[0], torch.float32)
         return len(made)
+
+    def padding(lengths):
+        mask = torch.where(keys[None, :] >= torch.tensor(lengths, device=DEVICE)[:, None], fill, 0.0)[:, None, None]
+        return mask.expand(B, 1, M, M).contiguous()
     try:
-        mask = torch.where(keys[None, :] >= torch.tensor([50, 20], device=DEVICE)[:, None], fill, 0.0)[:, None, None]
-        mask = mask.expand(B, 1, M, M).contiguous()
+        mask = padding([50, 20])
         assert run(mask) == 1 and run(mask) == 1  # kept
         mask[0, ..., 30:] = fill  # written in place
         assert run(mask) == 2
-        assert run(mask.view(B, 1, M, M)) == 3  # another tensor object over the same memory
+        assert run(mask.view(B, 1, M, M)) == 2 and run(mask.detach()) == 2  # its version counter: the same value
         old = StorageWeakRef(mask.untyped_storage())
-        mask.data = torch.zeros_like(mask)  # the same object, other memory
-        assert run(mask) == 4
+        mask.data = padding([60, 10])  # the same object, other memory
+        assert run(mask) == 3
         gc.collect()
-        assert not old.expired()  # kept while its lists are: its address is no new tensor's
+        assert old.expired()  # the entries pinned nothing
+        ptr = mask.data_ptr()
         del mask
         gc.collect()
-        assert old.expired()  # the entries go with the tensor: no memory pinned after it
+        for _ in range(20):  # a new mask, other values, at the freed address where the allocator gives it again
+            other = padding([30, 40])
+            if other.data_ptr() == ptr:
+                break
+        assert run(other) == 4
     finally:
         codegen_attention.list_launches = real
 
