@@ -83,8 +83,12 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         why = f"not SDPA: {not_sdpa[a.out]}" if a.out in not_sdpa else "attention='triton'"
         report.regions.append(_attention_report(a, cg, kernel.name, kernel.source, graph_index,
                                                 len(report.regions), hints, f"triton flash kernel ({why})"))
-    if any([_narrow_extras(a, mod, kernel) for a, mod, kernel in zip(attentions, mods, kernels)]):
-        cg = ComputeGraph(gm.graph)  # new nodes
+    for a, mod, kernel in zip(attentions, mods, kernels):
+        _narrow_extras(a, mod, kernel)
+    if attentions:  # new nodes (the narrowed extras); each output is the unit's, not a view to read through to
+        cg = ComputeGraph(gm.graph)  # its P @ V (a region after it reads it as the kernel writes it)
+        for a in attentions:
+            cg.info[a.out] = ops.Opaque("an attention kernel's output")
     part, emitted = _emit_regions(gm, cg, taken)
     for region, kernel, cost in emitted:
         try:
@@ -201,19 +205,17 @@ def _attention_kernel(att, cg, name: str) -> tuple[AttentionKernel, attention_co
                             meta(att.out).dtype, "score mod: " + "; ".join(mod.lines)), mod)
 
 
-def _narrow_extras(att, mod, kernel: AttentionKernel) -> bool:
+def _narrow_extras(att, mod, kernel: AttentionKernel) -> None:
     """The extras the kernel computes from the positions narrowed in the graph to the elements it reads
-    (`att.extras` and the kernel's input shapes updated), so that no M x N mask or bias is made for it;
-    whether any was."""
-    graph, narrowed = att.q.graph, False
+    (`att.extras` and the kernel's input shapes updated), so that no M x N mask or bias is made for it."""
+    graph = att.q.graph
     for i, e in enumerate(att.extras):
         narrow = what_the_kernel_reads(graph, e, mod.form(i), fake_mode_of(graph))
         if narrow is not e:  # the nodes the kernel replaces read it instead (shapes that broadcast alike; their values
             for n in att.nodes:  # are never computed), so the partition sees who reads it, and nothing reads `e`
                 n.replace_input_with(e, narrow)
-            att.extras[i], narrowed = narrow, True
+            att.extras[i] = narrow
     kernel.in_shapes = tuple(shape(n) for n in att.inputs)
-    return narrowed
 
 
 def _one_device(a) -> bool:

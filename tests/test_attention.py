@@ -90,6 +90,27 @@ def test_softcap_alibi_and_padding_with_fully_masked_rows(device):
     assert "not SDPA: aten.tanh on the scores" in _attention_regions(fused)[0].lowering
 
 
+@pytest.mark.parametrize("after", ["transpose, scale", "reshape to heads, add"])
+def test_a_region_after_our_kernel_reads_its_output_through_views(after, device):
+    """Our kernel's output read by a region through views (the heads moved back, as before an output projection):
+    the region reads the kernel's output, not the P @ V product inside the unit the output is a view of (that
+    compile raised, and the graph ran eagerly: Gemma2's soft-capped attention on the GPU)."""
+    torch.manual_seed(39)
+    q, k, v = _qkv(device)
+    bias = torch.randn(37, 48, device=device)
+
+    def attn(q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.25
+        o = torch.softmax((20.0 * torch.tanh(s / 20.0)).float(), -1).to(q.dtype) @ v
+        if after == "transpose, scale":
+            return o.transpose(1, 2).contiguous() * 2.0
+        return o.transpose(1, 2).reshape(o.shape[0], 37, 48) + bias
+
+    fused = _check(attn, q, k, v, expect="triton")
+    assert any(r.kind != "attention" for r in fused.report.regions), fused.report
+    assert not fused.report.all_fallbacks, fused.report.all_fallbacks
+
+
 def _constant_score_mod(form, m, n, h):
     """Score chains whose masks and biases are built in the graph from constants (positions, slopes)."""
     def chain(s):
