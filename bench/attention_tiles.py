@@ -118,7 +118,7 @@ def sweep_backward(name, b, hq, hkv, s, d, variant):
         print(name, "backward", pair, row["configs"][str(pair)], flush=True)
         return row["configs"][str(pair)].get("ms", float("inf"))
     try:  # each kernel's tiles with the other's as shipped, then the two winners together; over a data mask's
-        # lists (made for one tile shape) the two kernels share theirs
+        # lists (made for one tile shape) the two kernels share the dQ kernel's
         if variant == "causal-padding":
             min((c for c in BACKWARD[d]["dkdv"] + BACKWARD[d]["dq"]), key=lambda c: timed((c, c)))
         else:

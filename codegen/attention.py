@@ -539,7 +539,7 @@ def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m:
     while it lives: sdpa.RunTimeCheck.same_value), a mask of its shape, strides and dtype; else a tensor
     over the same memory (still alive: no other can have its address), of the same layout and version
     (views and detached tensors share the version of what they view: the slice of a buffer each call, a
-    saved tensor given back to the backward).  An entry holds no tensor and no memory.  The caller passes a
+    saved tensor given back to the backward).  An entry holds no tensor and no memory, only the lists.  The caller passes a
     mapping only for a mask whose writes bump its version, or whose value `same_value` vouches for (not a
     buffer a graph's program writes over; not under CUDA-graph capture); a write through a tensor of a version
     counter of its own (`.data`, `set_`) is not seen, as by torch's checks of saved tensors."""
@@ -563,10 +563,8 @@ def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m:
         lists, launches = made[1], []
     else:
         lists, launches = list_launches(mask, kind, B, Hq, M, N, block_m, block_n, by_keys)
-        if key is not None:
+        if key is not None:  # an entry whose token or memory is gone is never hit again; the cache's bound drops it
             lists_cache[key] = (alive, lists)
-            if same_value is not None:  # dropped with it
-                weakref.finalize(same_value, lists_cache.pop, key, None)
     for blocks in lists:
         args += [blocks, *blocks.stride()[:4]]
     return args, launches

@@ -198,7 +198,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     attentions of one graph.  `buffers`: inputs that are the same tensors every call (parameters and
     buffers; empty where CUDA graphs replay the calls): a mask computed from them alone is checked
     at run time for torch's causal mask (causal_or_masked), and for a sliding window, which then runs
-    `structured(q, k, v, window, scale)` (our kernel); a mask of neither runs `listed(q, k, v, mask, scale)`."""
+    `structured(q, k, v, window, scale)` (our kernel); a mask of neither runs `listed` (causal_or_masked)."""
     graph = gm.graph
     q, k, v = att.q, att.k, att.v
     h, m = shape(q)[1:3]
@@ -438,37 +438,54 @@ RECHECKS = 3  # inputs that are new tensors every call: checked again this many 
 
 class RunTimeCheck:
     """A call site's answer about values the compiled graph cannot see (a mask made from parameters and
-    buffers: causal? a window?), kept with its inputs' weak refs and versions and worked out again only
-    when an input is another tensor or was written in place, at most RECHECKS times after the first; then
-    None (the mask is applied as given)."""
+    buffers: causal? a window?), kept with its inputs' weak refs, versions and addresses and worked out again
+    only when an input is another tensor, was written in place or pointed at other memory (`.data =`), at most
+    RECHECKS times after the first; then None (the mask is applied as given).  Inputs made under
+    `torch.inference_mode()` keep no version: None for them (never a stale answer)."""
 
     def __init__(self):
         self.stamp, self.answer, self.checks, self.value = None, None, 0, None
 
     def _same(self, sources) -> bool:
         return self.stamp is not None and len(self.stamp) == len(sources) and all(
-            r() is x and version == x._version for (r, version), x in zip(self.stamp, sources))
+            r() is x and version == x._version and ptr == x.data_ptr() for (r, version, ptr), x in zip(self.stamp, sources))
 
     def __call__(self, sources, compute):
+        if any(x.is_inference() for x in sources):
+            return None
         if self._same(sources):
             return self.answer
         if self.checks > RECHECKS:
             return None
-        self.stamp = [(weakref.ref(x), x._version) for x in sources]
-        self.value = SameValue()
+        self.stamp = [(weakref.ref(x), x._version, x.data_ptr()) for x in sources]
+        self.value = SameValue.of(self.stamp)  # held here: the token lives while a site checked these sources
         self.answer = compute()
         self.checks += 1
         return self.answer
 
     def same_value(self, sources) -> "SameValue | None":
-        """An object that stands for the value of what the sources make while they are the tensors and
-        versions of the last check (a new one after each check), or None where they are not: what a mask made
-        of them alone keeps across calls (its tile lists: codegen.attention._extra_args)."""
+        """An object that stands for the value of what the sources make while they are the tensors, versions and
+        addresses of the last check, or None where they are not: what a mask made of them alone keeps across
+        calls (its tile lists: codegen.attention._extra_args).  The call sites whose sources are the same get
+        the same object (a model's layers reading one mask)."""
         return self.value if self._same(sources) else None
 
 
 class SameValue:
-    """See RunTimeCheck.same_value (a class: its instances can be weakly referenced)."""
+    """See RunTimeCheck.same_value: one per set of sources (the same tensors, alive, at the same versions and
+    addresses), while a call site holds it."""
+    _made = weakref.WeakValueDictionary()
+
+    def __init__(self, stamp):
+        self.refs = [r for r, _, _ in stamp]
+
+    @classmethod
+    def of(cls, stamp) -> "SameValue":
+        key = tuple((id(r()), version, ptr) for r, version, ptr in stamp)
+        made = cls._made.get(key)
+        if made is None or any(a() is not b() for a, b in zip(made.refs, (r for r, _, _ in stamp))):
+            made = cls._made[key] = cls(stamp)  # (an id again, of another tensor: a new one)
+        return made
 
 
 def causal_or_masked(structured=None, listed=None, fix_rows: bool = False, kind: str = "add", fill: float = 0.0):
@@ -480,7 +497,7 @@ def causal_or_masked(structured=None, listed=None, fix_rows: bool = False, kind:
     which skips the tiles outside the window), that runs.  The check (a few comparisons and a host
     sync) runs again only when an input the mask is made from is another tensor or was written in
     place (its version), at most RECHECKS times; else the mask is applied as the program made it: by
-    `listed(q, k, v, mask, scale, same)` where given (our kernel over the tiles the mask keeps, the
+    `listed(q, k, v, mask, scale, same, kind, fill)` where given (our kernel over the tiles the mask keeps, the
     ones it masks whole skipped: 0.65 against SDPA's 1.8 ms forward with a padded causal mask at S4096,
     whose memory-efficient kernel reads the whole mask; rows of -inf give NaN there as in eager; `same`:
     RunTimeCheck.same_value, so that the lists are made once while the sources stay), else by SDPA, the

@@ -83,8 +83,10 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         why = f"not SDPA: {not_sdpa[a.out]}" if a.out in not_sdpa else "attention='triton'"
         report.regions.append(_attention_report(a, cg, kernel.name, kernel.source, graph_index,
                                                 len(report.regions), hints, f"triton flash kernel ({why})"))
-    for a, mod, kernel in zip(attentions, mods, kernels):
-        _narrow_extras(a, mod, kernel)
+    for a, mod, kernel, entry in zip(attentions, mods, kernels, report.regions[len(report.regions) - len(attentions):]):
+        _narrow_extras(a, mod, kernel)  # the report: what the kernel reads now (eager's bytes as counted before)
+        entry.input_shapes = [_describe(n) for n in a.inputs]
+        entry.bytes_fused_expr = sum((tensor_bytes(n) for n in [*a.inputs, a.out]), sympy.Integer(0))
     if attentions:  # new nodes (the narrowed extras); each output is the unit's, not a view to read through to
         cg = ComputeGraph(gm.graph)  # its P @ V (a region after it reads it as the kernel writes it)
         for a in attentions:

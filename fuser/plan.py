@@ -103,10 +103,12 @@ def attention_plan(head_dim: int, dtype, on_gpu: bool, listed: bool = False) -> 
     return 128, 64, 8, 2
 
 
-def attention_bwd_plan(head_dim: int, dtype, on_gpu: bool, listed: bool = False) -> tuple[tuple, tuple]:
+def attention_bwd_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[tuple, tuple]:
     """((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, that of the dQ kernel): the dK/dV kernel
-    owns BLOCK_N keys and walks the queries BLOCK_M at a time, the dQ kernel the other way round.  `listed`: they
-    walk a data mask's tile lists (made for one tile shape: the two kernels share it).  GPU, 16-bit: D128 64x64,
+    owns BLOCK_N keys and walks the queries BLOCK_M at a time, the dQ kernel the other way round (over a data
+    mask's tile lists, made for one tile shape, both take the dQ kernel's).  Run 120 (H200, ALiBi and window,
+    each kernel swept with the other as shipped): 64x64 won both; 128 keys a dK/dV program ran 2.1-2.3x slower
+    (its two fp32 accumulators spill).  GPU, 16-bit: D128 64x64,
     4 warps, 2 stages won sweeps of 6-8 shared configs (H100 run 24: soft-cap 5.02 ms a step against 5.88 with 3
     stages; H200 run 51: soft-cap and a padding mask's lists, 128x64 8 warps within 7% on dK/dV, 30% slower on
     dQ); D64 64x64, 4 warps, 3 stages (H200 runs 50-51: 0.46 ms of dK/dV + dQ over lists against 0.73 for the

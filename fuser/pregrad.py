@@ -38,8 +38,7 @@ from fuser.codegen.score_mod import plain_scale, score_mod
 from fuser.graph import ComputeGraph, meta, replace_output
 from fuser.patterns import cross_entropy
 from fuser.patterns.attention import (dropout_site, extra_forms, find, mask_structure, normalize_attention, resolved,
-                                     what_the_kernel_reads,
-                                     safe_rows)
+                                     safe_rows, what_the_kernel_reads)
 
 from .attention_op import flash_attention_op, register_mod, register_site
 from .dropout import dropout_op

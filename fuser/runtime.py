@@ -711,7 +711,7 @@ class Recent(collections.OrderedDict):
             self.popitem(last=False)
 
 
-_LISTS = Recent(4)  # each entry holds its mask alive: few
+_LISTS = Recent(4)  # tile lists (small int32 tensors; no mask, no memory of one held): a step's few
 # launch_sequence's: a caller's key -> (device index, [(compiled kernel, constexprs)] in launch order); sizes
 # that vary (a batch's length) each take one, the oldest dropped
 _sequences = Recent(BOUND_SIZES)
@@ -720,9 +720,10 @@ _sequences = Recent(BOUND_SIZES)
 def lists_cache(q: torch.Tensor):
     """Where a data mask's tile lists are kept (codegen.attention._extra_args) for the attentions that read the
     same mask after (a model's layers, a step's backward); none under CUDA-graph capture (lists made outside a
-    graph would be replayed over masks written into the same addresses).  Keyed by the mask's version, so a
-    write that does not bump it (through `.data`, DLPack, a kernel of the user's) is not seen: as torch's
-    own checks of saved tensors."""
+    graph would be replayed over masks written into the same addresses).  Keyed by the mask's memory and version,
+    or by the versions of the buffers it is made from (codegen.sdpa.RunTimeCheck.same_value), so a write that does
+    not bump them (through `.data`, DLPack, a kernel of the user's) is not seen: as torch's own checks of saved
+    tensors."""
     return None if q.is_cuda and torch.cuda.is_current_stream_capturing() else _LISTS
 
 

@@ -90,6 +90,59 @@ def test_softcap_alibi_and_padding_with_fully_masked_rows(device):
     assert "not SDPA: aten.tanh on the scores" in _attention_regions(fused)[0].lowering
 
 
+class _Layers(torch.nn.Module):
+    """Several attentions over one mask in a buffer, as a model's layers."""
+
+    def __init__(self, keep, layers):
+        super().__init__()
+        self.register_buffer("keep", keep)
+        self.layers = layers
+
+    def forward(self, q, k, v):
+        out = 0
+        for i in range(self.layers):
+            s = (q @ k.transpose(-1, -2)) * (0.3 + 0.1 * i)
+            out = out + torch.softmax(s.masked_fill(self.keep == 0, float("-inf")), -1) @ v
+        return out
+
+
+def test_layers_sharing_a_buffer_mask_make_its_lists_once(device):
+    """Six attentions over one buffer mask of no structure (more than the lists cache holds entries): the
+    lists are made once, on the first call, and shared by every layer after; outputs equal eager's."""
+    import fuser.codegen.attention as codegen_attention
+    torch.manual_seed(40)
+    keep = (torch.rand(1, 1, 41, 41, device=device) < 0.6).float()
+    keep.diagonal(dim1=-2, dim2=-1).fill_(1)
+    model = _Layers(keep, 6)
+    made, real = [], codegen_attention.list_launches
+    codegen_attention.list_launches = lambda *a: made.append(1) or real(*a)
+    try:
+        fused = fuser.fuse(model)
+        with torch.no_grad():
+            for _ in range(3):
+                q, k, v = (torch.randn(2, 2, 41, 16, device=device) for _ in range(3))
+                torch.testing.assert_close(fused(q, k, v), model(q, k, v), **TOL[torch.float32])
+    finally:
+        codegen_attention.list_launches = real
+    assert len(made) == 1, made
+    assert not fused.report.all_fallbacks, fused.report.all_fallbacks
+
+
+def test_a_buffer_mask_made_under_inference_mode(device):
+    """A model whose buffers were made under torch.inference_mode() (they keep no version): compiled and run
+    there, the mask is applied as given, never checked once and trusted after; outputs equal eager's."""
+    torch.manual_seed(41)
+    with torch.inference_mode():
+        keep = torch.ones(40, 40, device=device).tril()[None, None]
+        model = _KeepBuffer(keep)
+        fused = fuser.fuse(model)
+        for step in range(2):
+            q, k, v = (torch.randn(2, 2, 40, 16, device=device) for _ in range(3))
+            torch.testing.assert_close(fused(q, k, v), model(q, k, v), **TOL[torch.float32])
+            model.keep[..., 3, :] = 1  # no version to see: the next call must still follow it
+    assert not fused.report.all_fallbacks, fused.report.all_fallbacks
+
+
 @pytest.mark.parametrize("after", ["transpose, scale", "reshape to heads, add"])
 def test_a_region_after_our_kernel_reads_its_output_through_views(after, device):
     """Our kernel's output read by a region through views (the heads moved back, as before an output projection):
@@ -631,8 +684,8 @@ def test_a_buffer_mask_of_no_structure_keeps_its_lists_and_nan_rows(dtype, d, fo
     fill) or uniform average (finfo.min), from our kernel itself (fp32) or SDPA's call with the mask clamped and
     that row set back to NaN (fp64, which our kernel does not take); neither the clamp nor the row check is
     computed in the graph, and a boolean mask (masked_fill's, torch.where's) is read as it is, no additive copy
-    made.  Its tile lists are made once while the buffer is unchanged, and again after a write in place, whose
-    values the outputs follow."""
+    made.  Its tile lists are made once while the buffer is unchanged, and again after a write in place or the
+    buffer pointed at other memory (`.data =`), whose values the outputs follow."""
     import fuser.codegen.attention as codegen_attention
     torch.manual_seed(38)
     keep = (torch.rand(1, 1, 45, 45, device=device) < 0.6).to(dtype)
@@ -644,16 +697,19 @@ def test_a_buffer_mask_of_no_structure_keeps_its_lists_and_nan_rows(dtype, d, fo
     try:
         fused = fuser.fuse(model)
         with torch.no_grad():
-            for step in range(4):
+            for step in range(6):
                 if step == 2:
                     model.keep[..., 30, :7] = 1 - model.keep[..., 30, :7]  # a write in place: new value, new lists
+                if step == 4:  # other memory under the same tensor (no version bump): new lists too
+                    model.keep.data = model.keep.flip(-1).clone()
+                    model.keep[..., 5, :] = 0
                 q, k, v = (torch.randn(2, 3, 45, d, device=device, dtype=dtype) for _ in range(3))
                 got, want = fused(q, k, v), model(q, k, v)
                 assert want[:, :, 5].isnan().all() == (form != "where, finfo.min")
                 torch.testing.assert_close(got, want, equal_nan=True, **TOL.get(dtype, TOL[torch.float32]))
     finally:
         codegen_attention.list_launches = real
-    assert len(made) == (2 if dtype == torch.float32 else 0), made
+    assert len(made) == (3 if dtype == torch.float32 else 0), made
     text = str(fused.report)
     assert "where SDPA takes it" in text or dtype == torch.float32 and "clamped" not in text, text
     assert ("read as the mask" in text) == (form != "additive"), text
