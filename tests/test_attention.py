@@ -4,6 +4,7 @@ flash-attention kernel; `attention="triton"` forces our kernel.  Each test asser
 fp32 on CPU (the interpreter's tl.dot is right there), bf16 on the GPU.  Fully masked rows must give
 what eager gives (NaN for -inf masks), so comparisons use equal_nan.
 """
+import contextlib
 import math
 
 import pytest
@@ -90,6 +91,25 @@ def test_softcap_alibi_and_padding_with_fully_masked_rows(device):
     assert "not SDPA: aten.tanh on the scores" in _attention_regions(fused)[0].lowering
 
 
+def _random_keep(n: int, dtype, device) -> torch.Tensor:
+    """A [1, 1, n, n] mask of no structure (True-ish = keep), every query keeping its own key."""
+    keep = (torch.rand(1, 1, n, n, device=device) < 0.6).to(dtype)
+    keep.diagonal(dim1=-2, dim2=-1).fill_(1)
+    return keep
+
+
+@contextlib.contextmanager
+def _lists_made():
+    """The data masks' tile lists made inside (codegen.attention.list_launches calls), as a growing list."""
+    import fuser.codegen.attention as codegen_attention
+    made, real = [], codegen_attention.list_launches
+    codegen_attention.list_launches = lambda *a: made.append(1) or real(*a)
+    try:
+        yield made
+    finally:
+        codegen_attention.list_launches = real
+
+
 class _Layers(torch.nn.Module):
     """Several attentions over one mask in a buffer, as a model's layers."""
 
@@ -109,21 +129,14 @@ class _Layers(torch.nn.Module):
 def test_layers_sharing_a_buffer_mask_make_its_lists_once(device):
     """Six attentions over one buffer mask of no structure (more than the lists cache holds entries): the
     lists are made once, on the first call, and shared by every layer after; outputs equal eager's."""
-    import fuser.codegen.attention as codegen_attention
     torch.manual_seed(40)
-    keep = (torch.rand(1, 1, 41, 41, device=device) < 0.6).float()
-    keep.diagonal(dim1=-2, dim2=-1).fill_(1)
-    model = _Layers(keep, 6)
-    made, real = [], codegen_attention.list_launches
-    codegen_attention.list_launches = lambda *a: made.append(1) or real(*a)
-    try:
+    model = _Layers(_random_keep(41, torch.float32, device), 6)
+    with _lists_made() as made:
         fused = fuser.fuse(model)
         with torch.no_grad():
             for _ in range(3):
                 q, k, v = (torch.randn(2, 2, 41, 16, device=device) for _ in range(3))
                 torch.testing.assert_close(fused(q, k, v), model(q, k, v), **TOL[torch.float32])
-    finally:
-        codegen_attention.list_launches = real
     assert len(made) == 1, made
     assert not fused.report.all_fallbacks, fused.report.all_fallbacks
 
@@ -686,15 +699,11 @@ def test_a_buffer_mask_of_no_structure_keeps_its_lists_and_nan_rows(dtype, d, fo
     computed in the graph, and a boolean mask (masked_fill's, torch.where's) is read as it is, no additive copy
     made.  Its tile lists are made once while the buffer is unchanged, and again after a write in place or the
     buffer pointed at other memory (`.data =`), whose values the outputs follow."""
-    import fuser.codegen.attention as codegen_attention
     torch.manual_seed(38)
-    keep = (torch.rand(1, 1, 45, 45, device=device) < 0.6).to(dtype)
-    keep.diagonal(dim1=-2, dim2=-1).fill_(1)
+    keep = _random_keep(45, dtype, device)
     keep[..., 5, :] = 0  # row 5 keeps no key: NaN in eager
     model = _KeepBuffer(keep, form)
-    made, real = [], codegen_attention.list_launches
-    codegen_attention.list_launches = lambda *a: made.append(1) or real(*a)
-    try:
+    with _lists_made() as made:
         fused = fuser.fuse(model)
         with torch.no_grad():
             for step in range(6):
@@ -707,8 +716,6 @@ def test_a_buffer_mask_of_no_structure_keeps_its_lists_and_nan_rows(dtype, d, fo
                 got, want = fused(q, k, v), model(q, k, v)
                 assert want[:, :, 5].isnan().all() == (form != "where, finfo.min")
                 torch.testing.assert_close(got, want, equal_nan=True, **TOL.get(dtype, TOL[torch.float32]))
-    finally:
-        codegen_attention.list_launches = real
     assert len(made) == (3 if dtype == torch.float32 else 0), made
     text = str(fused.report)
     assert "where SDPA takes it" in text or dtype == torch.float32 and "clamped" not in text, text
