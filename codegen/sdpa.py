@@ -269,7 +269,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
     if att.dropout:
         text.append(f"dropout_p={att.dropout:g} (SDPA's own random stream: eager's masks differ, not their law)")
-    if c is not None and (c is not checked or sources and _clamps(checked)):
+    if c is not None and (c is not checked or sources and _clamps(meta(checked).dtype)):
         text.append(f"mask clamped to +-{SAFE_MASK:g} (SDPA's exp2 would overflow finfo.min)"
                     + (" where SDPA takes it" if sources else ""))
     if factors:
@@ -378,7 +378,7 @@ def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:
     and multiply the mask by log2(e): a finfo.min of bf16 or fp32 (HF's masks) overflows to -inf
     there, and a row masked entirely by it gives 0 instead of eager's uniform average.  Any value past
     1e30 absorbs the scores the same, so the clamp changes nothing else; -inf stays -inf."""
-    if not _clamps(c):
+    if not _clamps(meta(c).dtype):
         return c
     if value is not None:
         with real_tensors():
@@ -409,9 +409,9 @@ def _boolean(c: fx.Node) -> tuple[fx.Node, str, float] | None:
     return None
 
 
-def _clamps(c: fx.Node) -> bool:
-    """Whether the mask's dtype holds finite values past SDPA's safe range."""
-    return torch.finfo(meta(c).dtype).max > SAFE_MASK
+def _clamps(dtype: torch.dtype) -> bool:
+    """Whether a mask of `dtype` may hold finite values past SDPA's safe range."""
+    return torch.finfo(dtype).max > SAFE_MASK
 
 
 def mask_sources(mask: fx.Node) -> list:
@@ -444,31 +444,34 @@ class RunTimeCheck:
     `torch.inference_mode()` keep no version: None for them (never a stale answer)."""
 
     def __init__(self):
-        self.stamp, self.answer, self.checks, self.value = None, None, 0, None
+        self.stamp, self.answer, self.checks, self.value, self.current = None, None, 0, None, False
 
     def _same(self, sources) -> bool:
         return self.stamp is not None and len(self.stamp) == len(sources) and all(
             r() is x and version == x._version and ptr == x.data_ptr() for (r, version, ptr), x in zip(self.stamp, sources))
 
     def __call__(self, sources, compute):
+        self.current = False
         if any(x.is_inference() for x in sources):
             return None
-        if self._same(sources):
+        self.current = self._same(sources)
+        if self.current:
             return self.answer
         if self.checks > RECHECKS:
             return None
+        self.current = True
         self.stamp = [(weakref.ref(x), x._version, x.data_ptr()) for x in sources]
         self.value = SameValue.of(self.stamp)  # held here: the token lives while a site checked these sources
         self.answer = compute()
         self.checks += 1
         return self.answer
 
-    def same_value(self, sources) -> "SameValue | None":
-        """An object that stands for the value of what the sources make while they are the tensors, versions and
-        addresses of the last check, or None where they are not: what a mask made of them alone keeps across
-        calls (its tile lists: codegen.attention._extra_args).  The call sites whose sources are the same get
-        the same object (a model's layers reading one mask)."""
-        return self.value if self._same(sources) else None
+    def same_value(self) -> "SameValue | None":
+        """After a call: an object that stands for the value of what its sources make, where they were the
+        tensors, versions and addresses of the last check, else None: what a mask made of them alone keeps
+        across calls (its tile lists: codegen.attention._extra_args).  The call sites whose sources are the
+        same get the same object (a model's layers reading one mask)."""
+        return self.value if self.current else None
 
 
 class SameValue:
@@ -517,14 +520,14 @@ def causal_or_masked(structured=None, listed=None, fix_rows: bool = False, kind:
                 if structured is not None:
                     return structured(q, k, v, window, scale)
             if listed is not None:
-                return listed(q, k, v, mask, scale, check.same_value(sources), kind, fill)
+                return listed(q, k, v, mask, scale, check.same_value(), kind, fill)
         if gqa:  # the memory-efficient kernel (the one taking a mask) has no GQA
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
         if kind != "add":  # the additive mask the program made
             mask = torch.where(mask if kind == "drop" else ~mask, torch.tensor(fill, dtype=q.dtype, device=q.device),
                                torch.zeros((), dtype=q.dtype, device=q.device))
         safe = mask
-        if torch.finfo(mask.dtype).max > SAFE_MASK:  # as _in_safe_range in a graph
+        if _clamps(mask.dtype):  # as _in_safe_range in a graph
             safe = torch.where(mask.isinf(), mask, mask.clamp(-SAFE_MASK, SAFE_MASK))
         out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask=safe, scale=scale)
         return torch.where(mask.amax(-1, keepdim=True) == float("-inf"), float("nan"), out) if fix_rows else out
