@@ -235,16 +235,19 @@ def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, s
     why, changed, fixups, calls = {}, [], {}, set()
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     buffers = {inputs[i] for i in static if i < len(inputs)}
-    for a in find(gm.graph, cg):
+    found = find(gm.graph, cg)
+    # eager's cost of each, on the graph as captured: a lowering rewires the attentions after it (one reading
+    # another's output would be read through the SDPA call, which `cg` has never seen)
+    entries = [_attention_report(a, cg, "sdpa", "", graph_index, 0, hints, "") for a in found]
+    for a, entry in zip(found, entries):
         a = resolved(a)  # its operands as the lowerings before it left them
         try:
             with target(meta(a.q).device.type):
-                entry = _attention_report(a, cg, "sdpa", "", graph_index, len(report.regions), hints, "")
                 text, made = sdpa.lower(gm, a, fixups, buffers, _windowed, _listed)
         except sdpa.NotExpressible as e:
             why[a.out] = str(e)
             continue
-        entry.source, entry.lowering = text, "sdpa (the score chain is a scale and an additive mask)"
+        entry.id, entry.source, entry.lowering = len(report.regions), text, "sdpa (the score chain is a scale and an additive mask)"
         report.regions.append(entry)
         changed += made
         calls.update(n for n in made if n.target is aten.scaled_dot_product_attention.default

@@ -177,6 +177,47 @@ def test_a_region_after_our_kernel_reads_its_output_through_views(after, device)
     assert not fused.report.all_fallbacks, fused.report.all_fallbacks
 
 
+@pytest.mark.parametrize("chain", ["sdpa, ours", "ours, sdpa", "sdpa, sdpa on its output, ours"])
+def test_attentions_chained_with_no_projection_between(chain, device):
+    """An attention reading another's output directly (no projection between; the second one's q, k or v a view
+    of the first's output), the first lowered to SDPA: the report's cost of the second was read through the new
+    SDPA call (KeyError, the whole graph ran eagerly).  Each attention gets its lowering; gradients match."""
+    torch.manual_seed(40)
+    q, k, v = _qkv(device)
+    m = q.shape[2]
+    pos = torch.arange(m, device=device)
+    bias = 2.0 ** -torch.arange(1, q.shape[1] + 1, device=device)[:, None, None] * (pos[None, :] - pos[:, None])
+    causal = torch.ones(m, m, dtype=torch.bool, device=device).triu(1)
+
+    def att(q, k, v, cap=None):
+        s = q @ k.transpose(-1, -2) * 0.25
+        if cap:  # soft-capping: not SDPA's, ours
+            s = torch.tanh(s / cap) * cap
+        return torch.softmax((s + bias).masked_fill(causal, float("-inf")), -1) @ v
+
+    def fn(q, k, v):
+        if chain == "sdpa, ours":
+            return att(att(q, k, v), k, v, cap=20.0)
+        if chain == "ours, sdpa":
+            return att(q, att(q, k, v, cap=20.0), v)
+        o = att(q, k, v)
+        o = att(o, o, v)
+        b, h, _, d = o.shape  # q: o's heads moved and back (views)
+        return att(o.transpose(1, 2).reshape(b, m, h, d).transpose(1, 2), k, o, cap=5.0)
+
+    fused = _check(fn, q, k, v, attention=chain.count(",") + 1)
+    assert [r.kernel == "sdpa" for r in _attention_regions(fused)] == \
+        sorted((part.strip() != "ours" for part in chain.split(",")), reverse=True), fused.report
+    assert not fused.report.all_fallbacks, fused.report.all_fallbacks
+    torch._dynamo.reset()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    torch.compile(fn, backend="fuser")(*leaves).float().sum().backward()
+    ref = [t.detach().requires_grad_() for t in (q, k, v)]
+    fn(*ref).float().sum().backward()
+    for got, want in zip(leaves, ref):
+        torch.testing.assert_close(got.grad, want.grad, **TOL[q.dtype])
+
+
 def _constant_score_mod(form, m, n, h):
     """Score chains whose masks and biases are built in the graph from constants (positions, slopes)."""
     def chain(s):
