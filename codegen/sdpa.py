@@ -35,6 +35,7 @@ import weakref
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fuser.graph import constant_value, fake_mode_of, insert, meta, operands, packet, real_tensors, replace_output, shape
 from fuser.indexing import Sizes
@@ -228,7 +229,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
                 sources = []  # a decode step (torch's causal mask is square), a bias (T5's: no fill)
             if c is not None and not sources:  # shared by the attentions reading the same mask (T5's position bias)
                 if ("clamped", checked) not in fixups:
-                    fixups[("clamped", checked)] = _in_safe_range(build, c, value)
+                    fixups[("clamped", checked)] = _rows_dense(build, _in_safe_range(build, c, value))
                 c = fixups[("clamped", checked)]
     except NotExpressible:
         build.undo()
@@ -387,6 +388,17 @@ def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:
                 return c
     clamped = build(aten.clamp.default, c, -SAFE_MASK, SAFE_MASK)
     return build(aten.where.self, build(aten.isinf.default, c), c, clamped)
+
+
+def _rows_dense(build: _Builder, c: fx.Node) -> fx.Node:
+    """c with its keys adjacent in memory.  SDPA's kernels that take a mask (memory-efficient, cuDNN) read
+    it so; a mask in another layout (T5's position bias, its heads innermost) sent SDPA to its math path
+    (run 128, H200: fp32 matmuls, the scores written, 2x Inductor's GPU time on T5).  The copy is made
+    once per mask, by the region that makes the mask (it writes it in this layout)."""
+    v = meta(c)
+    if statically_known_true(v.stride()[-1] == 1) or statically_known_true(v.shape[-1] <= 1):
+        return c
+    return build(aten.clone.default, c, memory_format=torch.contiguous_format)
 
 
 def _boolean(c: fx.Node) -> tuple[fx.Node, str, float] | None:

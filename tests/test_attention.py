@@ -186,7 +186,7 @@ def test_attentions_chained_with_no_projection_between(chain, device):
     q, k, v = _qkv(device)
     m = q.shape[2]
     pos = torch.arange(m, device=device)
-    bias = 2.0 ** -torch.arange(1, q.shape[1] + 1, device=device)[:, None, None] * (pos[None, :] - pos[:, None])
+    bias = (2.0 ** -torch.arange(1, q.shape[1] + 1, device=device)[:, None, None] * (pos[None, :] - pos[:, None])).to(q.dtype)
     causal = torch.ones(m, m, dtype=torch.bool, device=device).triu(1)
 
     def att(q, k, v, cap=None):
@@ -216,6 +216,35 @@ def test_attentions_chained_with_no_projection_between(chain, device):
     fn(*ref).float().sum().backward()
     for got, want in zip(leaves, ref):
         torch.testing.assert_close(got.grad, want.grad, **TOL[q.dtype])
+
+
+def test_a_bias_with_its_heads_innermost_reaches_sdpa_with_its_keys_adjacent(device):
+    """T5's position bias is an embedding looked up per (query, key) and moved to [1, H, M, N]: its heads innermost
+    in memory.  SDPA's fused kernels read a mask whose keys are adjacent; given this one, SDPA ran its math path
+    (fp32 matmuls, the scores written: T5 at 2x Inductor's GPU time).  The region making the bias writes it so."""
+    torch.manual_seed(41)
+    q, k, v = _qkv(device)
+    m, h = q.shape[2], q.shape[1]
+    table = torch.randn(32, h, device=device, dtype=q.dtype)
+    pos = torch.arange(m, device=device)
+    buckets = (pos[None, :] - pos[:, None]).abs().clamp(max=31)
+
+    def attn(q, k, v, table=table):
+        bias = torch.nn.functional.embedding(buckets, table).permute(2, 0, 1)[None]  # [1, H, M, N], heads innermost
+        return torch.softmax((q @ k.transpose(-1, -2) + bias).float(), -1).to(q.dtype) @ v
+
+    fused = fuser.fuse(attn)
+    with torch.no_grad():
+        fused(q, k, v)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fused(q, k, v)
+        ref = attn(*(x.double() for x in (q, k, v, table)))  # fp64: eager's 16-bit scores round where SDPA's do not
+    torch.testing.assert_close(out.double(), ref, **TOL[q.dtype])
+    assert [r.kernel for r in _attention_regions(fused)] == ["sdpa"], fused.report
+    seen = [e.key for e in prof.key_averages()]
+    assert any("scaled_dot_product" in name for name in seen), seen
+    # neither SDPA's math path (CUDA: _safe_softmax) nor a copy of the mask per call (CPU: its flash kernel's)
+    assert not any("softmax" in name or name in ("aten::contiguous", "aten::clone") for name in seen), seen
 
 
 def _constant_score_mod(form, m, n, h):
