@@ -11,7 +11,7 @@ attention SDPA cannot express, our kernel's, forward and backward).
 Systems, each a fresh compile after torch._dynamo.reset(): eager (eager attention), eager+sdpa,
 inductor, inductor-ro (mode="reduce-overhead"), fuser (backend="fuser"), fuser-cg (backend="fuser",
 mode="reduce-overhead") and fuser-eager-attn (backend="fuser" on the eager-attention model). Per cell:
-compile_s (first call, synchronised), ms (do_bench median after 3 warm-up calls), err
+compile_s (first call, synchronised), ms (see interleave below; do_bench's median in bench_ms), err
 (||a-b||/||b|| of the logits / last_hidden_state against eager+sdpa; ok below 2e-2), peak_mib (peak
 allocated during one call over what was allocated before it), and over 5 profiled steps wall_ms,
 kernel_ms (GPU time of kernels) and kernels per step.
@@ -28,8 +28,9 @@ step's loss with eager+sdpa's; peak MiB is over the memory held before the step 
 AdamW state).  llama-128k is llama-gqa with a 128256-token vocabulary at B4 T2048 (8192 tokens: its
 logits are 2.1 GB in bf16), for the fused linear + cross-entropy; llama-128k-whole is the same with the
 model itself compiled (a user's `torch.compile(model)`: its output holds the logits too, so they are made).
-A host-bound step moves with the host, so after its cells are measured each system's step is timed again
-in turns with the others (`interleave`), and ms is the median of those runs.
+A host-bound step moves with the host (T5's encoder read 0.55x Inductor in one run, 1.06x and 1.07x in
+turns with it in another, run 137), so after its cells are measured each system's step is timed again in
+turns with the others (`interleave`, inference and training), and ms is the median of those runs.
 Models: all but llama-decode (inference: all but llama-128k-whole).  Systems: eager, eager+sdpa, inductor, fuser, fuser-eager-attn.
 
 Writes <gpu>-<date>-models.{json,md} after every cell, so a run cut short keeps what it measured.
@@ -328,8 +329,9 @@ def measure(cell, make, ref, device, smoke, streamed=False):
     """Fill `cell` in place: compile_s, err, ok, peak_mib, ms, then the profiler's numbers.
     `streamed` (training): ms is the time a step takes in a loop that does not wait for each step,
     as a training loop runs (the median of 3 runs of STREAM_STEPS steps back to back); do_bench's
-    median, which waits for every step and clears the L2 cache between steps, goes in bench_ms.
-    On this host the two disagree by up to 1.8x for host-bound steps (bench/notes.md, run 40)."""
+    median, which waits for every step and clears the L2 cache between steps, goes in bench_ms (and in ms,
+    inference).  On this host the two disagree by up to 1.8x for host-bound steps (bench/notes.md, run 40).
+    On the GPU, `interleave` then times every cell again, in turns with the other systems."""
     fn = cell["_fn"] = make()
     _sync(device)
     start = time.perf_counter()
@@ -356,7 +358,7 @@ def measure(cell, make, ref, device, smoke, streamed=False):
     fn()
     torch.cuda.synchronize()
     cell["peak_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20
-    cell["ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    cell["bench_ms"] = cell["ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
     if streamed:
         runs = []
         for _ in range(3):
@@ -366,7 +368,7 @@ def measure(cell, make, ref, device, smoke, streamed=False):
                 fn()
             torch.cuda.synchronize()
             runs.append((time.perf_counter() - start) / STREAM_STEPS * 1e3)
-        cell["bench_ms"], cell["ms"] = cell["ms"], statistics.median(runs)
+        cell["ms"] = statistics.median(runs)
     cell.update(profile(fn, device))
 
 
@@ -401,8 +403,9 @@ def run_model(name, args, device, emit):
         emit(cell)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.train and device.type == "cuda":
-        interleave([c for c in cells if "ms" in c])
+    if device.type == "cuda":
+        with torch.enable_grad() if args.train else torch.no_grad():
+            interleave([c for c in cells if "ms" in c])
         emit(None)
     for c in cells:
         c.pop("_fn", None)
@@ -455,8 +458,9 @@ def markdown(meta, cells):
     lines = [f"# whole models, {what}: {meta['device']}, {meta['date']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}"
              f"{'; SMOKE (CPU, tiny configs; ms = median of 3 calls)' if meta['smoke'] else ''}.", "",
-             "ms = do_bench median of one step (training: steps back to back as a training loop runs them, "
-             "timed in turns with the other systems (interleave): the median of 5 runs of 10 steps, per step; do_bench's median, which waits for each step, in do_bench ms); vs inductor = inductor ms / ms (inductor-ro for reduce-overhead "
+             "ms = steps back to back as a loop runs them, timed in turns with the other systems (interleave: the "
+             "host drifts by up to 1.5x within a run, run 137): the median of 5 runs of 10 steps, per step; do_bench's median, "
+             "which waits for each step, in do_bench ms; vs inductor = inductor ms / ms (inductor-ro for reduce-overhead "
              "systems), vs eager = eager ms / ms (>1: faster); wall/kernel = host wall ms / GPU kernel ms per step "
              "over 5 profiled steps; kernels per step; peak MiB = peak allocated in one call over what was "
              "allocated before it; compile s = first call; err = ||a-b||/||b|| vs eager+sdpa (ok < 2e-2). "
