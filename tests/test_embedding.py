@@ -5,6 +5,7 @@ tile; in a model, the graph calls each where the cost model says (and the report
 parameters' gradients match eager's; deterministic mode keeps large tables with eager."""
 import contextlib
 import copy
+import os
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ aten = torch.ops.aten
 
 
 KERNELS = {"one-hot": embedding_dense_backward, "scattered": embedding_dense_backward_scattered}
+_CUDA = os.environ.get("FUSER_TEST_DEVICE") == "cuda" and torch.cuda.is_available()  # conftest's device
 
 
 def _dtypes(device, kernel="one-hot"):
@@ -37,9 +39,19 @@ CASES = [((3, 423), 213, 37, -1), ((5, 61), 512, 64, 0), ((256, 256), 32, 8, -1)
          ((2, 9), 70, 130, 69)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-pad{c[3]}")
+def _cases(kernel):
+    """CASES for `kernel`.  The scatter runs a program per 32 indices whatever the table, so on CPU T5's 65536
+    indices only repeat its programs (2048 of each kernel: half a minute a dtype in the interpreter); 61 x 67
+    indices still put ~128 into each of the 32 buckets (a slot many atomics add into) and end in a partial
+    program.  The GPU keeps T5's size (its atomics do race)."""
+    if kernel != "scattered" or _CUDA:
+        return CASES
+    return [((61, 67),) + c[1:] if c[0] == (256, 256) else c for c in CASES]
+
+
 @pytest.mark.parametrize("dtype_index", [0, 1, 2])
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel, case", [(k, c) for k in KERNELS for c in _cases(k)],
+                         ids=lambda c: c if isinstance(c, str) else f"{c[0]}-{c[1]}x{c[2]}-pad{c[3]}")
 def test_matches_the_reference(device, case, dtype_index, kernel):
     dtypes = _dtypes(device, kernel)
     if dtype_index >= len(dtypes):
