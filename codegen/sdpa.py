@@ -195,9 +195,9 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     """Rewrites `att` in gm's graph as one SDPA call; returns the call as text for the report, and
     the nodes made.
     Raises NotExpressible (the graph unchanged) where SDPA cannot compute what eager does.
-    `fixups` holds, per mask node, its clamped copy and its "row fully -inf" node, shared by the
-    attentions of one graph.  `buffers`: inputs that are the same tensors every call (parameters and
-    buffers; empty where CUDA graphs replay the calls): a mask computed from them alone is checked
+    `fixups` holds, per mask node, the copy SDPA takes (clamped, its keys adjacent) and its "row fully
+    -inf" node, shared by the attentions of one graph.  `buffers`: inputs that are the same tensors every
+    call (parameters and buffers; empty where CUDA graphs replay the calls): a mask computed from them alone is checked
     at run time for torch's causal mask (causal_or_masked), and for a sliding window, which then runs
     `structured(q, k, v, window, scale)` (our kernel); a mask of neither runs `listed` (causal_or_masked)."""
     graph = gm.graph
@@ -210,7 +210,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
         low = False
         if att.safe:
             q, k, v, c, scale, low = _undo_math_path(build, q, k, v, c, scale)
-        causal, value, checked, sources = False, None, None, []
+        causal, value, checked, sources, clamped, dense = False, None, None, [], False, False
         if c is not None:
             value = constant_value(c) if m.is_Integer and shape(k)[2].is_Integer else None
             if value is not None:
@@ -229,8 +229,10 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
                 sources = []  # a decode step (torch's causal mask is square), a bias (T5's: no fill)
             if c is not None and not sources:  # shared by the attentions reading the same mask (T5's position bias)
                 if ("clamped", checked) not in fixups:
-                    fixups[("clamped", checked)] = _rows_dense(build, _in_safe_range(build, c, value))
-                c = fixups[("clamped", checked)]
+                    safe = _in_safe_range(build, c, value)
+                    given = _rows_dense(build, safe)
+                    fixups[("clamped", checked)] = given, safe is not c, given is not safe
+                c, clamped, dense = fixups[("clamped", checked)]
     except NotExpressible:
         build.undo()
         raise
@@ -270,9 +272,11 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
     if att.dropout:
         text.append(f"dropout_p={att.dropout:g} (SDPA's own random stream: eager's masks differ, not their law)")
-    if c is not None and (c is not checked or sources and _clamps(meta(checked).dtype)):
+    if c is not None and (clamped or sources and _clamps(meta(checked).dtype)):
         text.append(f"mask clamped to +-{SAFE_MASK:g} (SDPA's exp2 would overflow finfo.min)"
                     + (" where SDPA takes it" if sources else ""))
+    if dense:
+        text.append("the mask written with its keys adjacent (SDPA's fused kernels read it so)")
     if factors:
         text.append(f"q scaled by {', '.join(f.name for _, f in factors)} (a scale given at run time)")
     if boolean:

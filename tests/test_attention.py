@@ -241,6 +241,7 @@ def test_a_bias_with_its_heads_innermost_reaches_sdpa_with_its_keys_adjacent(dev
         ref = attn(*(x.double() for x in (q, k, v, table)))  # fp64: eager's 16-bit scores round where SDPA's do not
     torch.testing.assert_close(out.double(), ref, **TOL[q.dtype])
     assert [r.kernel for r in _attention_regions(fused)] == ["sdpa"], fused.report
+    assert "keys adjacent" in _attention_regions(fused)[0].source, fused.report  # the report says why the copy
     seen = [e.key for e in prof.key_averages()]
     assert any("scaled_dot_product" in name for name in seen), seen
     # neither SDPA's math path (CUDA: _safe_softmax) nor a copy of the mask per call (CPU: its flash kernel's)
