@@ -405,7 +405,7 @@ def run_model(name, args, device, emit):
             torch.cuda.empty_cache()
     if device.type == "cuda":
         with torch.enable_grad() if args.train else torch.no_grad():
-            interleave([c for c in cells if "ms" in c])
+            interleave([c for c in cells if "ms" in c and "error" not in c], args.limit)
         emit(None)
     for c in cells:
         c.pop("_fn", None)
@@ -415,17 +415,26 @@ def run_model(name, args, device, emit):
 INTERLEAVED_ROUNDS = 5
 
 
-def interleave(cells):
+def interleave(cells, limit: float):
     """A host-bound step's time moves with the host (the same code read 6.2 and 8.5 ms in two processes, and
     ±20% between the runs of one measurement): so the systems' steps are timed again in turns, one run of
     STREAM_STEPS steps each, round after round, and each cell's ms becomes the median of its runs (the
-    first measurement stays in ms_sequential).  A drift of the host then weighs on every system alike."""
+    first measurement stays in ms_sequential).  A drift of the host then weighs on every system alike.
+    A cell whose graphs fail to compile again (Dynamo was reset between the systems) or run past `limit`
+    seconds keeps its first measurement, with the reason in interleave_error; the others go on."""
+    ready = []
+    for c in cells:  # each system's graphs again, and a warm-up
+        try:
+            with time_limit(limit):
+                for _ in range(3):
+                    c["_fn"]()
+            ready.append(c)
+        except Exception as e:  # noqa: BLE001 - one failure must not lose the rest of the table
+            c["interleave_error"] = _first_line(e)
+    cells = ready
     if len(cells) < 2:
         return
     runs = {id(c): [] for c in cells}
-    for c in cells:  # each system's graphs again (Dynamo was reset between the systems), and a warm-up
-        for _ in range(3):
-            c["_fn"]()
     for _ in range(INTERLEAVED_ROUNDS):
         for c in cells:
             torch.cuda.synchronize()
@@ -459,7 +468,8 @@ def markdown(meta, cells):
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}"
              f"{'; SMOKE (CPU, tiny configs; ms = median of 3 calls)' if meta['smoke'] else ''}.", "",
              "ms = steps back to back as a loop runs them, timed in turns with the other systems (interleave: the "
-             "host drifts by up to 1.5x within a run, run 137): the median of 5 runs of 10 steps, per step; do_bench's median, "
+             "host drifts by up to 1.5x within a run, run 137): the median of 5 runs of 10 steps, per step (a model with one "
+             "system measured: do_bench's median); do_bench's median, "
              "which waits for each step, in do_bench ms; vs inductor = inductor ms / ms (inductor-ro for reduce-overhead "
              "systems), vs eager = eager ms / ms (>1: faster); wall/kernel = host wall ms / GPU kernel ms per step "
              "over 5 profiled steps; kernels per step; peak MiB = peak allocated in one call over what was "

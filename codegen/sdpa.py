@@ -205,6 +205,12 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     h, m = shape(q)[1:3]
     hkv = shape(k)[1]
     build = _Builder(graph, att.out)
+    added = []  # the fixups this call made: dropped with its nodes where it gives up (`give_up`)
+
+    def give_up():
+        build.undo()
+        for key in added:
+            del fixups[key]
     try:
         scale, c, factors = _mask(att, build)
         low = False
@@ -228,13 +234,12 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
             if not set(sources) <= set(buffers) or m != shape(k)[2] or att.dropout or not filled:  # a padding mask (new every call), or
                 sources = []  # a decode step (torch's causal mask is square), a bias (T5's: no fill)
             if c is not None and not sources:  # shared by the attentions reading the same mask (T5's position bias)
-                if ("clamped", checked) not in fixups:
-                    safe = _in_safe_range(build, c, value)
-                    given = _rows_dense(build, safe)
-                    fixups[("clamped", checked)] = given, safe is not c, given is not safe
-                c, clamped, dense = fixups[("clamped", checked)]
+                if ("given", checked) not in fixups:
+                    fixups[("given", checked)] = _given(build, c, value)
+                    added.append(("given", checked))
+                c, clamped, dense = fixups[("given", checked)]
     except NotExpressible:
-        build.undo()
+        give_up()
         raise
     gqa = hkv != h
     kk, vv = k, v
@@ -246,7 +251,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     if gqa and c is None:
         kwargs["enable_gqa"] = True
     if att.safe and not _runs_fused(q, kk, vv, kwargs, Sizes.of_graph(graph).hint):
-        build.undo()
+        give_up()
         raise NotExpressible("SDPA's math path, and SDPA would take it again for these tensors (as eager does): "
                              "left as decomposed, to our regions")
     for op, factor in factors:  # (q * f) @ k^T == (q @ k^T) * f; q rounds where eager rounded the scores
@@ -394,15 +399,25 @@ def _in_safe_range(build: _Builder, c: fx.Node, value) -> fx.Node:
     return build(aten.where.self, build(aten.isinf.default, c), c, clamped)
 
 
-def _rows_dense(build: _Builder, c: fx.Node) -> fx.Node:
-    """c with its keys adjacent in memory.  SDPA's kernels that take a mask (memory-efficient, cuDNN) read
-    it so; a mask in another layout (T5's position bias, its heads innermost) sent SDPA to its math path
-    (run 128, H200: fp32 matmuls, the scores written, 2x Inductor's GPU time on T5).  The copy is made
-    once per mask, by the region that makes the mask (it writes it in this layout)."""
+def _given(build: _Builder, c: fx.Node, value) -> tuple[fx.Node, bool, bool]:
+    """(the mask as SDPA takes it, whether clamped, whether copied to make its keys adjacent).  Its finite values
+    clamped (`_in_safe_range`); its keys at stride 1: SDPA's kernels that take a mask (memory-efficient, cuDNN)
+    read it so, whatever the keys' number, and a mask in another layout (T5's position bias, its heads innermost)
+    sent SDPA to its math path (run 132, H200: fp32 matmuls, the scores written, 2x Inductor's GPU time on T5).
+    The dimensions it broadcasts over (stride 0) stay broadcast: the clamp and the copy are made on one slice,
+    expanded back after (a view), so no [B, H, M, N] tensor is written for a smaller mask.  Made once per mask
+    (`fixups`), fused into the region making the mask where the graph makes it."""
     v = meta(c)
-    if statically_known_true(v.stride()[-1] == 1) or statically_known_true(v.shape[-1] <= 1):
-        return c
-    return build(aten.clone.default, c, memory_format=torch.contiguous_format)
+    one = c
+    for i in range(v.dim() - 1):  # not the keys: SDPA needs them at stride 1
+        if statically_known_true(v.stride()[i] == 0) and not statically_known_true(v.shape[i] == 1):
+            one = build(aten.slice.Tensor, one, i, 0, 1)
+    safe = _in_safe_range(build, one, value)
+    dense = safe if statically_known_true(meta(safe).stride()[-1] == 1) else \
+        build(aten.clone.default, safe, memory_format=torch.contiguous_format)
+    if dense is one:  # as it is (the slices, unread, go with the graph's dead code)
+        return c, False, False
+    return dense if one is c else build(aten.expand.default, dense, list(v.shape)), safe is not one, dense is not safe
 
 
 def _boolean(c: fx.Node) -> tuple[fx.Node, str, float] | None:

@@ -248,6 +248,22 @@ def test_a_bias_with_its_heads_innermost_reaches_sdpa_with_its_keys_adjacent(dev
     assert not any("softmax" in name or name in ("aten::contiguous", "aten::clone") for name in seen), seen
 
 
+def test_a_broadcast_mask_with_its_keys_strided_is_copied_once_not_per_head(device):
+    """A [N, M] mask transposed and expanded over batch and heads: SDPA needs its keys at stride 1, so it is
+    copied, but one [M, N] slice (then expanded back, a view), not a [B, H, M, N] tensor per call."""
+    torch.manual_seed(42)
+    q, k, v = _qkv(device, b=3, h=4, m=24, n=24)
+    nm = torch.randn(24, 24, device=device, dtype=q.dtype)
+
+    def attn(q, k, v, nm):
+        return torch.softmax((q @ k.transpose(-1, -2) * 0.25 + nm.t().expand(3, 4, 24, 24)).float(), -1).to(q.dtype) @ v
+
+    fused = _check(attn, q, k, v, nm, expect="sdpa")
+    assert "keys adjacent" in _attention_regions(fused)[0].source, fused.report
+    written = [s for r in fused.report.regions if r.kind != "attention" for s in r.output_shapes]
+    assert written and not any(s.startswith("[3, 4, 24, 24]") for s in written), fused.report
+
+
 def _constant_score_mod(form, m, n, h):
     """Score chains whose masks and biases are built in the graph from constants (positions, slopes)."""
     def chain(s):
