@@ -181,7 +181,8 @@ def test_a_region_after_our_kernel_reads_its_output_through_views(after, device)
 def test_attentions_chained_with_no_projection_between(chain, device):
     """An attention reading another's output directly (no projection between; the second one's q, k or v a view
     of the first's output), the first lowered to SDPA: the report's cost of the second was read through the new
-    SDPA call (KeyError, the whole graph ran eagerly).  Each attention gets its lowering; gradients match."""
+    SDPA call (KeyError, the whole graph ran eagerly).  Each attention gets its lowering; gradients match (the
+    longest chain)."""
     torch.manual_seed(40)
     q, k, v = _qkv(device)
     m = q.shape[2]
@@ -209,6 +210,8 @@ def test_attentions_chained_with_no_projection_between(chain, device):
     assert [r.kernel == "sdpa" for r in _attention_regions(fused)] == \
         sorted((part.strip() != "ours" for part in chain.split(",")), reverse=True), fused.report
     assert not fused.report.all_fallbacks, fused.report.all_fallbacks
+    if chain != "sdpa, sdpa on its output, ours":
+        return  # training (claimed before autograd, fuser.pregrad): once, on the chain with every pairing
     torch._dynamo.reset()
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     torch.compile(fn, backend="fuser")(*leaves).float().sum().backward()
