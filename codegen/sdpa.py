@@ -146,8 +146,9 @@ def _mask(att, build: _Builder) -> tuple[float, fx.Node | None, list]:
             if not (abs(fill) >= ABSORBING or math.isinf(fill)):
                 raise NotExpressible(f"{p} fills {fill:g}, which replaces the score instead of masking it "
                                      f"(SDPA adds its mask)")
-            base = c if c is not None else build(aten.scalar_tensor.default, 0.0, dtype=dt)
-            filled = build(aten.scalar_tensor.default, fill, dtype=meta(base).dtype)
+            # on the scores' device: a CPU scalar in `where` is copied to the GPU per call, and that copy waits
+            base = c if c is not None else build(aten.scalar_tensor.default, 0.0, dtype=dt, device=meta(n).device)
+            filled = build(aten.scalar_tensor.default, fill, dtype=meta(base).dtype, device=meta(base).device)
             c = build(aten.where.self, cond, filled, base) if keep_fill else build(aten.where.self, cond, base, filled)
         elif p in _CASTS:
             if set(n.kwargs) - _CAST_KWARGS or not dt.is_floating_point or meta(n).device != meta(args[0]).device:
@@ -268,9 +269,14 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     else:
         if fix_rows and checked not in fixups:  # eager: NaN where every key of a row is -inf; SDPA: 0
             fixups[checked] = build(aten.eq.Scalar, build(aten.amax.default, checked, [-1], True), float("-inf"))
-        out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
+            added.append(checked)
+        try:
+            out = build(aten.scaled_dot_product_attention.default, q, kk, vv, **kwargs)
+        except RuntimeError as e:  # torch 2.11's fake SDPA pads a mask of symbolic length with a kernel taking ints
+            give_up()
+            raise NotExpressible(f"SDPA's fake kernel fails on these sizes ({str(e).splitlines()[0][-80:]})") from e
         if fix_rows:
-            nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype)
+            nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype, device=meta(att.out).device)
             out = build(aten.where.self, fixups[checked], nan, out)
     if att.safe and low:
         out = build(aten._to_copy.default, out, dtype=meta(att.out).dtype)

@@ -69,6 +69,25 @@ def is_size(n) -> bool:
     return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
+def fold_fixed_sizes(graph: fx.Graph) -> int:
+    """Size nodes whose value guards have fixed (a head dim specialised: `sym_sqrt(sym_float(d))`) replaced
+    in their readers by the constants they now are, so the ops reading them are plain ops on literals
+    (a symbolic float leaves its reader to eager); the size computations left unread are erased."""
+    done = 0
+    for n in list(graph.nodes):
+        v = n.meta.get("val")
+        if not isinstance(v, (torch.SymInt, torch.SymFloat)) or not n.users or not (e := v.node.expr).is_number:
+            continue
+        value = int(e) if isinstance(v, torch.SymInt) else float(e)
+        for u in list(n.users):
+            u.args, u.kwargs = fx.node.map_arg((u.args, u.kwargs), lambda a: value if a is n else a)
+        done += 1
+    for n in reversed(list(graph.nodes)):
+        if n.op == "call_function" and not n.users and is_size(n):
+            graph.erase_node(n)
+    return done
+
+
 def is_generator(n) -> bool:
     """full, arange, ...: values from the index alone (full_like reads only its operand's shape)."""
     return getattr(n.target, "overloadpacket", None) in GENERATORS
@@ -139,6 +158,31 @@ def replace_output(old: fx.Node, new: fx.Node) -> None:
             u.target = torch.ops.aten.reshape.default
     old.replace_all_uses_with(new)
     old.meta["replaced_by"] = new
+    _contiguous_where_copied(new)
+
+
+_VIEWS = {torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.view.default,
+          torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
+
+
+def _contiguous_where_copied(new: fx.Node) -> None:
+    """A copy the program made of `old` through views to lay it out contiguously (HF's
+    `out.transpose(1, 2).contiguous()`: AOT's clone, as the traced [B, H, M, D] was not) becomes
+    `aten.contiguous`, a copy only where the tensor is not contiguous at run time: SDPA's fused kernels
+    write [B, M, H, D], so the transpose is one already, and the fake tensors cannot say which kernel runs.
+    What the clone made may now share memory with `new` (a fresh tensor; the wrapper's buffer reuse reads
+    the op's schema, which says so)."""
+    stack = list(new.users)
+    while stack:
+        u = stack.pop()
+        if u.target in _VIEWS and u.args[0] is not None:
+            stack.extend(u.users)
+        elif u.target is torch.ops.aten.clone.default and u.kwargs.get("memory_format") is torch.contiguous_format:
+            with u.graph.inserting_before(u):
+                c = u.graph.call_function(torch.ops.aten.contiguous.default, u.args, u.kwargs)
+            c.meta = dict(u.meta)
+            u.replace_all_uses_with(c)
+            u.graph.erase_node(u)
 
 
 def current(n):

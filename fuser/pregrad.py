@@ -29,13 +29,15 @@ import operator
 import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
+from torch._decomp.decompositions import matmul as python_matmul
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
 
 from fuser.codegen import sdpa
 from fuser.codegen.score_mod import plain_scale, score_mod
-from fuser.graph import ComputeGraph, meta, replace_output
+from fuser.graph import ComputeGraph, meta, replace_output, shape
 from fuser.patterns import cross_entropy
 from fuser.patterns.attention import (dropout_site, extra_forms, find, mask_structure, normalize_attention, resolved,
                                      safe_rows, what_the_kernel_reads)
@@ -127,6 +129,23 @@ def _wanted(gm: fx.GraphModule, attention: bool, loss: bool, dropout: bool) -> s
                                         ("dropout", drop)) if on)
 
 
+class _SymbolicMatmul(TorchFunctionMode):
+    """A matmul over symbolic sizes traced through torch's Python matmul (the one AOT Autograd's trace runs,
+    under its Python dispatcher): torch 2.11's C++ matmul asks such a tensor's sizes() while make_fx traces
+    it, which specialises every size (each new length then compiled a graph; torch 2.13 no longer does).
+    Only matmul, the op found doing it, rather than the whole Python dispatcher: the least change to what the
+    trace runs."""
+
+    _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._MATMULS and not kwargs and len(args) == 2 and all(isinstance(a, torch.Tensor) for a in args) \
+                and any(isinstance(s, torch.SymInt) for a in args for s in a.shape):
+            return python_matmul(*args)
+        return func(*args, **kwargs)
+
+
 def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool = True,
           dropout: bool = True) -> tuple[fx.GraphModule, list[str]]:
     """(the graph AOT Autograd should trace, notes for the report).  `attention`: claim attention;
@@ -143,7 +162,7 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
     # Dynamo's own fake inputs (sizes symbolic where they vary): the trace keeps the size arithmetic
     values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
     mode = next(v.fake_mode for v in values if isinstance(v, FakeTensor))
-    with mode, pinned_kernels() as pinned:
+    with mode, _SymbolicMatmul(), pinned_kernels() as pinned:
         traced = make_fx(pin_sdpa(gm) if attention else gm,
                          decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax, aten.dropout]))(*values)
     if wanted == "SDPA's kernel" and not pinned:
@@ -163,7 +182,7 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
         notes = [n for n in notes if " claimed before autograd" not in n] + [
             "attention in training left to its ops: SDPA's math path, as the trace decomposed it, could not be "
             "claimed back (its decomposed backward gives NaN on fully masked rows, eager's 0)"]
-        with mode:
+        with mode, _SymbolicMatmul():
             traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten.dropout]))(*values)
         traced.graph.eliminate_dead_code()
     notes += (_claim_losses(traced) if loss else []) + (_claim_dropouts(traced) if dropout else [])
@@ -374,10 +393,10 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set,
         return "SDPA's math path (fully masked rows give 0)", ""
     if any(meta(n).device != meta(a.q).device for n in a.inputs):
         return "operands on several devices", ""
-    dtype, head_dim = meta(a.q).dtype, meta(a.q).shape[-1]
-    if not isinstance(head_dim, int):
+    dtype, head_dim = meta(a.q).dtype, shape(a.q)[-1]  # an integer: normalize_attention fixes a symbolic one
+    if not head_dim.is_Integer:
         return f"a head dim that varies between calls ({head_dim}: the kernel is made for a static head dim)", ""
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (isinstance(head_dim, int) and head_dim <= 256):
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or head_dim > 256:
         return f"{dtype} q with head dim {head_dim} (the kernel takes 16- and 32-bit floats, head dims up to 256)", ""
     try:
         with target(meta(a.q).device.type):

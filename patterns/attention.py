@@ -13,11 +13,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_int
 
 from fuser import ops
 from fuser.codegen.attention import IndexMask, LinearBias, structure_of
-from fuser.indexing import broadcast_shapes
-from fuser.graph import (ComputeGraph, current, fake_mode_of, fold_into, insert, packet, is_generator, meta, operands,
+from fuser.indexing import broadcast_shapes, expr
+from fuser.graph import (ComputeGraph, current, fake_mode_of, fold_fixed_sizes, fold_into, insert, packet, is_generator, meta, operands,
                          real_tensors, run_node, shape)
 
 aten = torch.ops.aten
@@ -337,7 +338,47 @@ def normalize_attention(graph: fx.Graph) -> int:
         graph.erase_node(view)
         graph.erase_node(n)
         done += 1
-    return done + _functional_scores(graph) + _split_kt_permutes(graph) + _drop_identity_views(graph)
+    return done + _fix_head_dims(graph) + _functional_scores(graph) + _split_kt_permutes(graph) + \
+        _drop_identity_views(graph)
+
+
+def _fix_head_dims(graph: fx.Graph) -> int:
+    """Q·Kᵀ's and ·V's head dims fixed at their values where they are size symbols (q, k and v passed in
+    under `dynamic=True`; on a recompile q's and k's may be one symbol, v's another), by guards Dynamo
+    keeps: another head dim compiles another graph.  The kernels are built for one head dim (batch, heads
+    and lengths may vary), and the scale, `1 / sqrt(d)`, becomes the constant it then is.  Only around a
+    softmax that a matmul feeds and another reads; an unbacked size (no value while tracing) stays."""
+    fixed = 0
+    for n in graph.nodes:
+        if packet(n) not in (aten.amax, aten._softmax):
+            continue
+        qk, pv = _nearest_bmm(n, "all_input_nodes"), _nearest_bmm(n, "users")
+        if qk is None or pv is None:
+            continue
+        for d in (meta(qk.args[0]).shape[-1], meta(pv).shape[-1]):
+            if isinstance(d, torch.SymInt) and not expr(d).is_number:
+                try:
+                    guard_int(d)
+                    fixed += 1
+                except GuardOnDataDependentSymNode:
+                    pass
+    return fixed and fold_fixed_sizes(graph)
+
+
+def _nearest_bmm(n: fx.Node, towards: str, depth: int = 16) -> fx.Node | None:
+    """The first bmm met walking from n through its inputs (Q·Kᵀ from the softmax) or its readers (P·V)."""
+    frontier, seen = list(getattr(n, towards)), set()
+    for _ in range(depth):
+        nxt = []
+        for u in frontier:
+            if u in seen:
+                continue
+            seen.add(u)
+            if packet(u) is aten.bmm:
+                return u
+            nxt.extend(getattr(u, towards))
+        frontier = nxt
+    return None
 
 
 def _functional_scores(graph: fx.Graph) -> int:

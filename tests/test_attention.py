@@ -72,6 +72,28 @@ def test_causal_masked_fill(where, lowering, device):
         assert ("causal (offset 0)" in r.source) == (where == "in_graph")
 
 
+@pytest.mark.parametrize("lowering", [True, "triton"])
+def test_the_copy_after_heads_are_merged_is_made_only_where_needed(lowering, device):
+    """HF's `out.transpose(1, 2).contiguous()` after attention: AOT's clone, as the traced [B, H, M, D] needed
+    one.  SDPA writes [B, M, H, D], so the transposed output is contiguous already: no copy is made
+    (`aten.contiguous`, folded into the views to the projection); our kernel's [B, H, M, D] output is copied."""
+    torch.manual_seed(3)
+    q, k, v = _qkv(device, m=29, n=29)
+    w = torch.randn(48, 40, device=device, dtype=q.dtype)
+
+    def attn(q, k, v):
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        o = torch.softmax(s, -1) @ v
+        return o.transpose(1, 2).contiguous().view(2, 29, 48) @ w
+
+    fused = _check(attn, q, k, v, lowering=lowering, expect="sdpa" if lowering is True else "triton")
+    code = fused.code
+    if lowering is True:
+        assert "clone(" not in code and "aten.contiguous.default" in code, code
+    else:
+        assert "clone(" in code, code
+
+
 def test_softcap_alibi_and_padding_with_fully_masked_rows(device):
     """Soft-capping is not a scale and a mask: our kernel, and the report says why."""
     torch.manual_seed(1)
@@ -584,6 +606,43 @@ def test_symbolic_lengths_and_a_scale_given_at_run_time(device):
     regions = _attention_regions(fused)
     assert regions and all(r.kernel == "sdpa" for r in regions), [r.lowering for r in regions]
     assert any(r.symbolic for r in regions)
+
+
+@pytest.mark.parametrize("form", ["sdpa", "triton"])
+def test_a_head_dim_passed_in_under_dynamic_is_fixed_per_graph(form, device):
+    """q, k and v passed in under dynamic=True: the head dim is a size symbol (on a recompile q's and k's one
+    symbol, v's another) and the scale `d ** -0.5` a computation on it.  The attention is recognised: its head
+    dim fixed by a guard (another head dim compiles another graph; one seen before reuses its graph), the
+    lengths symbolic.  Forward and, for our kernel, training through the op claimed before autograd."""
+    torch.manual_seed(21)
+    dt = _dtype(device)
+
+    def attn(q, k, v, bias):
+        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        s = s + bias if form == "sdpa" else 5.0 * torch.tanh(s / 5.0) + bias
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+    compiled = torch.compile(attn, backend="fuser", dynamic=True)
+    before = len(fuser.reports())
+    for b, h, m, n, d in [(2, 3, 37, 41, 24), (2, 3, 23, 29, 16), (2, 3, 19, 45, 24)]:
+        q, k, v = _qkv(device, b=b, h=h, m=m, n=n, d=d)
+        bias = torch.randn(1, 1, m, n, device=device, dtype=dt)
+        train = form == "triton"
+        q, k, v = (t.requires_grad_(train) for t in (q, k, v))
+        with torch.set_grad_enabled(train):
+            out, ref = compiled(q, k, v, bias), attn(q, k, v, bias)
+        torch.testing.assert_close(out, ref, **TOL[dt])
+        if train:
+            g = torch.randn_like(ref)
+            for got, want in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+                torch.testing.assert_close(got, want, **TOL[dt])
+    graphs = [r for r in fuser.reports()[before:] if not any(x.startswith("backward graph") for x in r.notes)]
+    assert len(graphs) == 2, [r.notes for r in graphs]  # head dims 24 and 16; the third call reuses the first graph
+    for r in graphs:
+        if form == "sdpa":
+            assert [x.kernel for x in r.regions if x.kind == "attention"] == ["sdpa"], str(r)
+        else:
+            assert any("claimed before autograd (our kernel and its backward" in x for x in r.notes), r.notes
 
 
 class _BufferMasked(torch.nn.Module):
