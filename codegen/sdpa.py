@@ -37,7 +37,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fuser.graph import constant_value, fake_mode_of, insert, meta, operands, packet, real_tensors, replace_output, shape
+from fuser.graph import (constant_value, contiguous_where_copied, fake_mode_of, insert, meta, operands, packet, real_tensors,
+                         replace_output, shape)
 from fuser.indexing import Sizes
 from .attention import mask_structure
 
@@ -146,10 +147,16 @@ def _mask(att, build: _Builder) -> tuple[float, fx.Node | None, list]:
             if not (abs(fill) >= ABSORBING or math.isinf(fill)):
                 raise NotExpressible(f"{p} fills {fill:g}, which replaces the score instead of masking it "
                                      f"(SDPA adds its mask)")
-            # on the scores' device: a CPU scalar in `where` is copied to the GPU per call, and that copy waits
-            base = c if c is not None else build(aten.scalar_tensor.default, 0.0, dtype=dt, device=meta(n).device)
-            filled = build(aten.scalar_tensor.default, fill, dtype=meta(base).dtype, device=meta(base).device)
-            c = build(aten.where.self, cond, filled, base) if keep_fill else build(aten.where.self, cond, base, filled)
+            # the fill a scalar, not a tensor: a CPU scalar tensor in `where` is copied to the GPU per call (the
+            # copy waits for the GPU), a GPU one is a launch per call
+            if c is not None:
+                c = build(aten.where.ScalarSelf, cond, fill, c) if keep_fill else build(aten.where.ScalarOther, cond, c, fill)
+            elif dt == torch.float64:  # the zero a 0-d tensor: finfo(float64).min would round to -inf in float32
+                zero = build(aten.scalar_tensor.default, 0.0, dtype=dt, device=meta(n).device)
+                c = build(aten.where.ScalarSelf, cond, fill, zero) if keep_fill else build(aten.where.ScalarOther, cond, zero, fill)
+            else:  # where.Scalar makes float32, which holds any 16- or 32-bit fill exactly: cast to the scores' dtype
+                c = build(aten.where.Scalar, cond, *((fill, 0.0) if keep_fill else (0.0, fill)))
+                c = c if meta(c).dtype == dt else build(aten._to_copy.default, c, dtype=dt)
         elif p in _CASTS:
             if set(n.kwargs) - _CAST_KWARGS or not dt.is_floating_point or meta(n).device != meta(args[0]).device:
                 raise NotExpressible(f"{p} to {dt}")
@@ -276,8 +283,7 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
             give_up()
             raise NotExpressible(f"SDPA's fake kernel fails on these sizes ({str(e).splitlines()[0][-80:]})") from e
         if fix_rows:
-            nan = build(aten.scalar_tensor.default, float("nan"), dtype=meta(att.out).dtype, device=meta(att.out).device)
-            out = build(aten.where.self, fixups[checked], nan, out)
+            out = build(aten.where.ScalarSelf, fixups[checked], float("nan"), out)  # a scalar: see _mask
     if att.safe and low:
         out = build(aten._to_copy.default, out, dtype=meta(att.out).dtype)
     text = [f"attn_mask={list(shape(c)) if c is not None else None}", f"is_causal={causal}", f"scale={scale:g}"]
@@ -308,6 +314,8 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
         text.append("SDPA's math path as the tracer decomposed it (_safe_softmax: a fully masked row gives 0), "
                     + ("run on the program's 16-bit q, k, v" if low else "q and k scales folded"))
     replace_output(att.out, out)  # SDPA's output may be in its own memory order ([B, M, H, D])
+    if packet(out) is aten.scaled_dot_product_attention:
+        contiguous_where_copied(out)
     for n in reversed(att.nodes):
         if not n.users:
             graph.erase_node(n)

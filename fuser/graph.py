@@ -158,20 +158,20 @@ def replace_output(old: fx.Node, new: fx.Node) -> None:
             u.target = torch.ops.aten.reshape.default
     old.replace_all_uses_with(new)
     old.meta["replaced_by"] = new
-    _contiguous_where_copied(new)
 
 
 _VIEWS = {torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.view.default,
           torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
 
 
-def _contiguous_where_copied(new: fx.Node) -> None:
-    """A copy the program made of `old` through views to lay it out contiguously (HF's
+def contiguous_where_copied(new: fx.Node) -> None:
+    """A copy the program made of an SDPA call's output `new` through views to lay it out contiguously (HF's
     `out.transpose(1, 2).contiguous()`: AOT's clone, as the traced [B, H, M, D] was not) becomes
     `aten.contiguous`, a copy only where the tensor is not contiguous at run time: SDPA's fused kernels
     write [B, M, H, D], so the transpose is one already, and the fake tensors cannot say which kernel runs.
-    What the clone made may now share memory with `new` (a fresh tensor; the wrapper's buffer reuse reads
-    the op's schema, which says so)."""
+    Only for SDPA's own output: a clone after a pointwise op on it fuses into that op's region (one launch
+    either way; `aten.contiguous` would be a second).  What the clone made may now share memory with `new` (a
+    fresh tensor; the wrapper's buffer reuse reads the op's schema, which says so)."""
     stack = list(new.users)
     while stack:
         u = stack.pop()

@@ -894,7 +894,7 @@ OPAQUE = {
     aten._scaled_dot_product_flash_attention_for_cpu: "attention already fused by SDPA",
     aten.scaled_dot_product_attention: "attention already fused by SDPA",
     aten.contiguous: "a copy only where the tensor is not contiguous at run time (SDPA's output, transposed, "
-                     "usually is: fuser.graph.replace_output); a view then",
+                     "usually is: fuser.graph.contiguous_where_copied); a view then",
     aten.native_dropout: "random: dropout in training is left to eager",
     aten.copy_: "writes a mutated input's new value back into it (a buffer, a cache), as AOT Autograd did after the graph",
     aten.bernoulli: "random numbers are left to eager",
