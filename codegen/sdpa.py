@@ -151,12 +151,10 @@ def _mask(att, build: _Builder) -> tuple[float, fx.Node | None, list]:
             # copy waits for the GPU), a GPU one is a launch per call
             if c is not None:
                 c = build(aten.where.ScalarSelf, cond, fill, c) if keep_fill else build(aten.where.ScalarOther, cond, c, fill)
-            elif dt == torch.float64:  # the zero a 0-d tensor: finfo(float64).min would round to -inf in float32
-                zero = build(aten.scalar_tensor.default, 0.0, dtype=dt, device=meta(n).device)
-                c = build(aten.where.ScalarSelf, cond, fill, zero) if keep_fill else build(aten.where.ScalarOther, cond, zero, fill)
-            else:  # where.Scalar makes float32, which holds any 16- or 32-bit fill exactly: cast to the scores' dtype
-                c = build(aten.where.Scalar, cond, *((fill, 0.0) if keep_fill else (0.0, fill)))
-                c = c if meta(c).dtype == dt else build(aten._to_copy.default, c, dtype=dt)
+            else:  # the mask starts from the fill: 0-d tensors of the scores' dtype on their device, literals of
+                # the region that makes the mask (where.Scalar, float32, failed an fp32-upcast bf16 chain on CUDA)
+                zero, filled = (build(aten.scalar_tensor.default, x, dtype=dt, device=meta(n).device) for x in (0.0, fill))
+                c = build(aten.where.self, cond, filled, zero) if keep_fill else build(aten.where.self, cond, zero, filled)
         elif p in _CASTS:
             if set(n.kwargs) - _CAST_KWARGS or not dt.is_floating_point or meta(n).device != meta(args[0]).device:
                 raise NotExpressible(f"{p} to {dt}")
