@@ -3,7 +3,11 @@ single-process eager reference step by step, with forward and backward graphs fu
 head's loss run as fuser's chunked linear + cross-entropy.
 
 The script runs under `python -m torch.distributed.run --nproc-per-node 2 --standalone` (a
-subprocess: each rank is a process of its own), tiny size, 3 steps, and its JSON is checked here.
+subprocess: each rank is a process of its own), tiny size, 3 steps (the third's loss is the first
+to follow a backward graph's second call, which runs boxed and writes over donated activations),
+and its JSON is checked here.  Each rank runs the script's main() with --profile's steps at 1 (the
+script's default is 3 under torch.profiler and 3 under cProfile: on CPU two thirds of the test's
+time, for the same figures).
 Where: by default on CPU (gloo, fp32, Triton's interpreter), the GPUs hidden.  Decision for
 FUSER_TEST_DEVICE=cuda: on two GPUs (NCCL, bf16, compiled kernels) where the machine has at least
 two, since that is what the GPU run of the suite is for; with one GPU the CPU run instead (NCCL
@@ -29,6 +33,15 @@ from tolerances import tol
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_distributed.py"
+# each rank: the script loaded as a module, its profile() given steps=1, its main() run on the arguments after -c
+PROFILE_ONE_STEP = """\
+import functools, importlib.util, sys
+spec = importlib.util.spec_from_file_location("train_distributed", {script!r})
+script = sys.modules["train_distributed"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+script.profile = functools.partial(script.profile, steps=1)
+script.main(sys.argv[1:])
+"""
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
@@ -40,8 +53,13 @@ def test_two_ranks_follow_the_reference(wrap, device, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # fuser interprets CPU kernels itself
     if not on_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    # the script's main, run by each rank; --profile's steps cut from 3 (under torch.profiler, then 3 under cProfile)
+    # to 1 each: on CPU those six interpreted steps, cProfile's on the interpreter's Python, were two thirds of the
+    # test's time, and one step gives every figure checked below
+    entry = PROFILE_ONE_STEP.format(script=str(SCRIPT))
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                          str(SCRIPT), "--wrap", wrap, "--backend", "fuser", "--size", "tiny", "--steps", "3",
+                          "--no-python", sys.executable, "-c", entry, "--wrap", wrap, "--backend", "fuser",
+                          "--size", "tiny", "--steps", "3",
                           "--out", str(out)] + (["--profile", "--trace", str(tmp_path / "trace")] if wrap == "fsdp2" else []),
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]

@@ -295,12 +295,14 @@ def test_a_tied_tables_rows_are_added_to_the_output_layers_gradient(device, cros
     and padding ids included; the gradient matches eager's."""
     torch.manual_seed(0)
     model = _TiedLM(cross_entropy).to(device)
-    ids = torch.randint(0, 6007, (2, 45), device=device)
+    # 46 indices (was 90: the scatter is taken for the table's size, whatever the count, and the cross-entropy
+    # case's linear + cross-entropy runs a row at a time over the 6007 classes in the interpreter)
+    ids = torch.randint(0, 6007, (2, 23), device=device)
     ids[:, ::4] = 17  # repeated
     ids[1, 1::5] = 3  # the padding id: its rows count for none
     before = len(fuser.reports())
     notes = _grads_and_notes(model, ids)
-    assert notes and "[6007, 40] table's gradient over 90 indices, rows scattered" in notes[0], notes
+    assert notes and "[6007, 40] table's gradient over 46 indices, rows scattered" in notes[0], notes
     assert "its rows added into" in notes[0], notes
     code = "".join(c for r in fuser.reports()[before:] for c in r.code)
     assert "embedding_dense_backward_added" in code and "embedding_dense_backward_scattered" not in code

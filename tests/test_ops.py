@@ -633,8 +633,13 @@ LAYOUT_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", FLOATS, ids=_dt)
-@pytest.mark.parametrize("name", list(LAYOUT_CASES))
+# A layout op is index math, which no float dtype changes: every case runs in fp32 and in one 16-bit dtype,
+# fp16 and bf16 by turns (the 16-bit loads and stores, a pad's fill and a cat's operands in each).
+LAYOUT_DTYPES = [(name, dtype) for i, name in enumerate(LAYOUT_CASES)
+                 for dtype in (torch.float32, (torch.float16, torch.bfloat16)[i % 2])]
+
+
+@pytest.mark.parametrize("name,dtype", LAYOUT_DTYPES, ids=[f"{n}-{_dt(d)}" for n, d in LAYOUT_DTYPES])
 def test_layout(name, dtype, mk):
     fn, shapes, ops, gone = LAYOUT_CASES[name]
     inputs = [mk.randn(*s, dtype=dtype) for s in shapes]
@@ -667,6 +672,22 @@ def _red(op, dim, keepdim):
     return lambda t: op(t, dim=dim, keepdim=keepdim)
 
 
+def _keepdims(dtype, dtypes, both=(torch.float32,)) -> list:
+    """The keepdim values a reduction test runs in `dtype`: keepdim only shapes the result (a size-1 dim in the
+    store's index math), which no dtype changes, so the dtypes in `both` run it both ways and each other one of
+    `dtypes` one way, alternating (False, True, ...): every dtype still meets every op and dim, and each keepdim
+    every op and dim in fp32 and in a second dtype."""
+    if dtype in both:
+        return [False, True]
+    return [[o for o in dtypes if o not in both].index(dtype) % 2 == 1]
+
+
+def _reduction_cases(names, dtypes, dims, both=(torch.float32,)) -> list:
+    """pytest params (name, dtype, dims, keepdim) over the grid _keepdims leaves, with the full grid's ids."""
+    return [pytest.param(*([n] if n else []), d, dim, k, id="-".join(([n] if n else []) + [_dt(d), dim, "keepdim" if k else ""]))
+            for n in names for d in dtypes for dim in dims for k in _keepdims(d, dtypes, both)]
+
+
 REDUCTIONS = {
     # id -> (reduce(t, dim, keepdim) builder, ATen ops expected fused, pre-op)
     "sum": (lambda d, k: _red(torch.sum, d, k), ["aten.sum"]),
@@ -681,25 +702,22 @@ REDUCTIONS = {
 }
 
 
-@pytest.mark.parametrize("keepdim", [False, True], ids=["", "keepdim"])
-@pytest.mark.parametrize("dims", list(RED_DIMS))
-@pytest.mark.parametrize("dtype", FLOATS, ids=_dt)
-@pytest.mark.parametrize("name", list(REDUCTIONS))
+@pytest.mark.parametrize("name,dtype,dims,keepdim", _reduction_cases(list(REDUCTIONS), FLOATS, list(RED_DIMS)))
 def test_reduction(name, dtype, dims, keepdim, mk):
     """op(exp(x / 2)): positive values, so the sums do not cancel and eager's per-element rounding of
-    exp stays within one rounding of the result."""
+    exp stays within one rounding of the result.  fp16 runs keepdim=False, bf16 keepdim=True (_keepdims)."""
     build, ops = REDUCTIONS[name]
     red = build(RED_DIMS[dims], keepdim)
     x = mk.randn(*SHAPE3, dtype=dtype)
     check(lambda t: red(torch.exp(t * 0.5)), x, ops=["aten.exp"] + ops)
 
 
-@pytest.mark.parametrize("keepdim", [False, True], ids=["", "keepdim"])
-@pytest.mark.parametrize("dims", ["last", "first", "middle", "all"])
-@pytest.mark.parametrize("dtype", FLOATS + INTS, ids=_dt)
-@pytest.mark.parametrize("name", ["argmax", "argmin"])
+@pytest.mark.parametrize("name,dtype,dims,keepdim", _reduction_cases(["argmax", "argmin"], FLOATS + INTS,
+                                                                     ["last", "first", "middle", "all"],
+                                                                     both=(torch.float32, torch.int64)))
 def test_argmax_argmin(name, dtype, dims, keepdim, mk):
-    """x * 2 is exact in every dtype, so ties (common in 16-bit values) tie in both: the first wins."""
+    """x * 2 is exact in every dtype, so ties (common in 16-bit values) tie in both: the first wins.  keepdim both
+    ways in fp32 and int64; fp16 and int32 without it, bf16 with it (_keepdims)."""
     op = getattr(torch, name)
     dim = RED_DIMS[dims]
     # over all dims the kernel is one program: kept small, or the cost model (1 of 132 SMs busy) rightly
@@ -709,10 +727,11 @@ def test_argmax_argmin(name, dtype, dims, keepdim, mk):
     check(lambda t: op(t * 2, dim=dim, keepdim=keepdim), x, ops=[f"aten.{name}"])
 
 
-@pytest.mark.parametrize("keepdim", [False, True], ids=["", "keepdim"])
-@pytest.mark.parametrize("dims", list(RED_DIMS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.bool], ids=_dt)
+@pytest.mark.parametrize("dtype,dims,keepdim", _reduction_cases([None], [torch.float32, torch.bfloat16, torch.int32,
+                                                                           torch.bool], list(RED_DIMS),
+                                                                  both=(torch.float32, torch.bool)))
 def test_any(dtype, dims, keepdim, mk):
+    """keepdim both ways in fp32 and bool (the op's own dtype); bf16 without it, int32 with it (_keepdims)."""
     dim = RED_DIMS[dims]
     if dtype == torch.bool:
         x = mk.bools(*SHAPE3, p=0.02)
@@ -866,13 +885,16 @@ LONG_CASES = {
 }
 
 
-LONG_16BIT = ["sum", "amax", "softmax", "var_c1"]   # the 16-bit dtypes run the core cases only (time)
+# the 16-bit dtypes run the core cases only (time); softmax, whose write pass stores a whole looped row in 16 bits,
+# in fp16 alone (the tighter tolerance; bf16's store, _rne_bf16 under the interpreter, is every bf16 test's, and
+# its looped loads and fp32 accumulation are sum's, amax's and var's here)
+LONG_16BIT = {torch.float16: ["sum", "amax", "softmax", "var_c1"], torch.bfloat16: ["sum", "amax", "var_c1"]}
 
 
 @pytest.mark.parametrize("name,dtype", [(n, d) for n in LONG_CASES for d in FLOATS
-                                        if d == torch.float32 or n in LONG_16BIT],
+                                        if d == torch.float32 or n in LONG_16BIT[d]],
                          ids=[f"{n}-{_dt(d)}" for n in LONG_CASES for d in FLOATS
-                              if d == torch.float32 or n in LONG_16BIT])
+                              if d == torch.float32 or n in LONG_16BIT[d]])
 def test_long_rows(name, dtype, mk):
     fn, ops = LONG_CASES[name]
     x = mk.randn(*LONG, dtype=dtype)

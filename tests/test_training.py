@@ -396,6 +396,11 @@ def test_a_mask_in_a_buffer_is_checked_at_run_time_in_training(softcap, groups, 
     ours over the tile lists.  The backward takes its forward's path.  Gradients match an fp32 eager reference
     at every step."""
     from fuser import attention_op
+    if device != "cuda" and softcap != (groups > 1):
+        # on CPU (no SDPA flash kernel) soft-cap or not takes the same paths (our kernels made for the structure,
+        # then over the tile lists); the soft-cap adds a score mod and its gradient, groups > 1 the K/V heads each
+        # read by several query heads: [1-False] (neither) and [3-True] (both) run every path the grid does
+        pytest.skip("CPU: the same paths as [1-False] and [3-True]")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(25)
     model = _BufferMasked(48, softcap, groups, device)
