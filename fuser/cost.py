@@ -29,6 +29,11 @@ LAUNCH_S = 4e-6            # one eager kernel launch (and its gap) on a GPU
 # 0.88 TB/s against a 4.27 TB/s copy)
 EAGER_SLOW_PATH = 0.5
 EAGER_STRIDED = 0.25
+# ops eager runs as two kernels: `where` with a number wraps it in a 0-d tensor on the result's device first
+# (scalar_tensor: a fill launched per call, seen as 4 extra launches a llama decode step, run 154, from the
+# NaN fix-up after SDPA that codegen/sdpa.py builds); masked_fill out of place clones, then fills in place
+_TWO_LAUNCHES = (torch.ops.aten.where.ScalarSelf, torch.ops.aten.where.ScalarOther, torch.ops.aten.where.Scalar,
+                 torch.ops.aten.masked_fill.Scalar, torch.ops.aten.masked_fill.Tensor)
 
 
 def tensor_bytes(n, elems=None) -> sympy.Expr:
@@ -69,7 +74,7 @@ def eager_cost(cg: ComputeGraph, n) -> tuple[sympy.Expr, int]:
     else:  # multi-output ops (var_mean): every tensor they return
         writes = sum((ix.numel(t.shape) * t.element_size() for t in n.meta["val"] if isinstance(t, torch.Tensor)),
                      sympy.Integer(0))
-    return reads + writes, 1
+    return reads + writes, 2 if n.target in _TWO_LAUNCHES else 1
 
 
 def region_cost(region: Region) -> Cost:

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from . import indexing as ix
 from . import ops
-from .cost import Cost, eager_slow_path, eager_time, region_cost
+from .cost import Cost, eager_cost, eager_slow_path, eager_time, region_cost
 from .graph import OWN_KERNEL, ComputeGraph, cpu_scalar, is_size, meta
 from .region import PERSISTENT_MAX_R, Region, analyze, reduction_space
 
@@ -197,8 +197,9 @@ class Partitioner:
         """A lone pointwise op or copy that our kernel runs faster than eager's by the model, with a
         margin for the launch: where eager's kernel is not vectorised (a broadcast, cast or permuted
         operand, at the sizes where bandwidth counts: grad_weight times the loss's 0-d fp32 gradient,
-        232 us eager; GQA's repeated K and V)."""
-        if not eager_slow_path(self.cg, n):
+        232 us eager; GQA's repeated K and V), or where eager launches two kernels for it (`where` with
+        a number, at the sizes where the launch counts: the NaN fix-up after a decode step's SDPA)."""
+        if not (eager_slow_path(self.cg, n) or eager_cost(self.cg, n)[1] > 1):
             return False
         region = self.region({n})
         return region is not None and self.cost(region).time_fused() * ALONE_MARGIN < self.eager(n)
