@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import sympy
 import torch
+import torch.fx as fx
 
 from . import indexing as ix
 from . import ops
@@ -61,12 +62,20 @@ class Cost:
         return self.sizes.hint(self.bytes_fused) / (HBM_BYTES_PER_S * occupancy) + LAUNCH_S
 
 
-def eager_cost(cg: ComputeGraph, n) -> tuple[sympy.Expr, int]:
-    """Bytes and launches of one compute node run as its own eager kernel."""
+def eager_cost(cg: ComputeGraph, n, generators: bool = False) -> tuple[sympy.Expr, int]:
+    """Bytes and launches of one compute node run as its own eager kernel; with `generators`, also those
+    of the generators it reads (an arange, a full: transparent in our kernels, which compute them from
+    the index, but run by eager for an op left to it; HF's KV-cache position `arange(1) + length` was an
+    eager arange and an eager add a layer of a decode step, run 154)."""
     if n.target is operator.getitem:
         return sympy.Integer(0), 0
     if is_generator(n):
         return tensor_bytes(n), 1
+    if generators:
+        b, launches = eager_cost(cg, n)
+        for g in _generators_read(cg, n):
+            b, launches = b + 2 * tensor_bytes(g), launches + 1  # written by its kernel, read by n's
+        return b, launches
     reads = sum((tensor_bytes(a, cg.read_elems(n, a)) for a in cg.data_inputs(n)), sympy.Integer(0))
     outs = meta(n)
     if outs is not None:
@@ -75,6 +84,21 @@ def eager_cost(cg: ComputeGraph, n) -> tuple[sympy.Expr, int]:
         writes = sum((ix.numel(t.shape) * t.element_size() for t in n.meta["val"] if isinstance(t, torch.Tensor)),
                      sympy.Integer(0))
     return reads + writes, 2 if n.target in _TWO_LAUNCHES else 1
+
+
+def _generators_read(cg: ComputeGraph, n) -> list:
+    """The generators n reads, directly or through views, that eager runs as kernels (not 0-d CPU ones)."""
+    found, todo = [], [a for a in operands(n) if isinstance(a, fx.Node)]
+    while todo:
+        a = todo.pop()
+        if a.op != "call_function" or not cg.transparent(a) or a in found:
+            continue
+        if is_generator(a):
+            if not cpu_scalar(meta(a)):
+                found.append(a)
+        else:
+            todo.extend(o for o in operands(a) if isinstance(o, fx.Node))
+    return found
 
 
 def region_cost(region: Region) -> Cost:
@@ -144,7 +168,7 @@ def _other_layout(cg: ComputeGraph, v: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 def eager_time(cg: ComputeGraph, n) -> float:
-    b, launches = eager_cost(cg, n)
+    b, launches = eager_cost(cg, n, generators=True)
     bandwidth = HBM_BYTES_PER_S * eager_bandwidth(cg, n)
     return cg.sizes.hint(b) / bandwidth + launches * LAUNCH_S
 

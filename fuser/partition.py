@@ -198,8 +198,9 @@ class Partitioner:
         margin for the launch: where eager's kernel is not vectorised (a broadcast, cast or permuted
         operand, at the sizes where bandwidth counts: grad_weight times the loss's 0-d fp32 gradient,
         232 us eager; GQA's repeated K and V), or where eager launches two kernels for it (`where` with
-        a number, at the sizes where the launch counts: the NaN fix-up after a decode step's SDPA)."""
-        if not (eager_slow_path(self.cg, n) or eager_cost(self.cg, n)[1] > 1):
+        a number, or the generator it reads, at the sizes where the launch counts: the NaN fix-up after a
+        decode step's SDPA, its KV cache's positions `arange(1) + length`)."""
+        if not (eager_slow_path(self.cg, n) or eager_cost(self.cg, n, generators=True)[1] > 1):
             return False
         region = self.region({n})
         return region is not None and self.cost(region).time_fused() * ALONE_MARGIN < self.eager(n)

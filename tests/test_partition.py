@@ -295,6 +295,31 @@ def test_a_lone_op_on_eagers_fast_path_stays_eager(case):
     assert regions == [] and "alone" in next(iter(part.reasons.values()))
 
 
+def test_a_lone_op_that_eager_runs_as_two_kernels_runs_as_our_kernel(device):
+    """Eager runs a generator an op reads as a kernel of its own (HF's StaticCache writes new keys at
+    `arange(n) + cumulative_length`, a 0-d tensor: an arange and an add a layer of a decode step), and `where`
+    with a number as a fill of a 0-d tensor, then the where: small, such an op runs as our kernel, the
+    generator and the number computed in it.  Large, the same op stays eager (bandwidth, not launches)."""
+    torch.manual_seed(5)
+    cache, k = torch.randn(2, 3, 11, 5, device=device), torch.randn(2, 3, 2, 5, device=device)
+    length = torch.tensor(4, device=device)
+    step = lambda cache, length, k: cache.index_copy(2, torch.arange(k.shape[-2], device=k.device) + length, k)  # noqa: E731
+    fused = fuser.fuse(step)
+    assert_close_to_eager(fused(cache, length, k), step(cache, length, k))
+    assert any(r.ops == ["aten.add.Tensor"] for r in fused.report.regions), fused.report
+    assert "arange" not in "".join(fused.report.code)
+    for shape, fused_alone in (((7, 5), True), ((4096, 8192), False)):
+        # built as codegen/sdpa.py builds its NaN fix-up (a trace would decompose where.ScalarSelf)
+        graph = torch.fx.Graph()
+        c, x = graph.placeholder("c"), graph.placeholder("x")
+        w = graph.call_function(torch.ops.aten.where.ScalarSelf, (c, float("nan"), x))
+        graph.output(w)
+        with FakeTensorMode():
+            c.meta["val"], x.meta["val"] = torch.empty(shape, dtype=torch.bool), torch.empty(shape)
+            w.meta["val"] = torch.ops.aten.where.ScalarSelf(c.meta["val"], float("nan"), x.meta["val"])
+        assert len(Partitioner(graph).partition()) == fused_alone, shape
+
+
 @pytest.mark.parametrize("case", ["transpose", "repeat_kv", "slice"])
 def test_a_lone_copy_from_another_layout_runs_as_our_kernel(case):
     """Eager copies a permuted, expanded or sliced tensor with its non-vectorised kernel (~0.2x of a
