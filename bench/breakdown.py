@@ -33,13 +33,13 @@ TOP_KERNELS, TOP_HOST, TOP_API, TOP_FILES = 25, 25, 8, 20  # --top sets the firs
 
 
 def kernels(fn, steps=5):
-    """[(name, us per step, launches per step)], largest first, the step's total kernel us, and the
-    CUDA runtime and driver calls the host made: [(name, own us per step, calls per step)].  Those
+    """[(name, us per step, launches per step, the ATen op it ran under)], largest first, the step's total
+    kernel us, and the CUDA runtime and driver calls the host made: [(name, own us per step, calls per step)].  Those
     show where the host waited for the GPU (a synchronize, a copy to the host, a full launch queue
     that makes launches block) rather than worked."""
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
@@ -47,7 +47,8 @@ def kernels(fn, steps=5):
     for e in M._kernel_events(prof):
         us[e.name] += (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) / steps
         count[e.name] += 1
-    rows = sorted(((n, t, count[n] / steps) for n, t in us.items()), key=lambda r: -r[1])
+    under = _launched_under(prof)
+    rows = sorted(((n, t, count[n] / steps, under.get(n, "")) for n, t in us.items()), key=lambda r: -r[1])
     api_us, api_count = defaultdict(float), defaultdict(int)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("cuda", "cu")):
@@ -55,6 +56,27 @@ def kernels(fn, steps=5):
             api_count[e.name] += 1
     api = sorted(((n, t, api_count[n] / steps) for n, t in api_us.items()), key=lambda r: -r[1])
     return rows, sum(us.values()), api
+
+
+def _launched_under(prof) -> dict:
+    """kernel name -> the ATen op that launched it (the most frequent, with its input shapes where the profile
+    recorded them), or "" for launches under no ATen op (ours, through the runtime): what an eager kernel of a
+    compiled step is (run 154 found the decode step's 4 extra launches so: a fill under `where`)."""
+    ops = defaultdict(lambda: defaultdict(int))
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not getattr(e, "kernels", None):
+            continue
+        p = e
+        while p is not None and not p.name.startswith("aten::"):
+            p = p.cpu_parent
+        if p is None:
+            continue
+        while p.cpu_parent is not None and p.cpu_parent.name.startswith("aten::"):  # the outermost ATen op
+            p = p.cpu_parent
+        shapes = getattr(p, "input_shapes", None)
+        for k in e.kernels:
+            ops[k.name][p.name + (f" {shapes}" if shapes else "")] += 1
+    return {k: max(by.items(), key=lambda kv: kv[1])[0] for k, by in ops.items()}
 
 
 def unprofiled(fn, steps=20):
@@ -143,8 +165,8 @@ def cell(name, system, fns, with_host):
     split = "" if phases is None else " (forward {:.0f}, backward {:.0f}, optimizer {:.0f})".format(*phases)
     lines = [f"### {name} / {system}", "", f"kernel time {total:.1f} us per step, "
              f"{sum(r[2] for r in rows):.0f} launches; without a profiler: step {step_us:.0f} us (back to back), "
-             f"host {host_us:.0f} us{split} (the GPU busy ahead of it), {syncs} synchronising calls", "", "| kernel | us/step | launches | share |", "|---|---|---|---|"]
-    lines += [f"| {n[:90]} | {t:.1f} | {c:.0f} | {t / total:.1%} |" for n, t, c in rows[:TOP_KERNELS]]
+             f"host {host_us:.0f} us{split} (the GPU busy ahead of it), {syncs} synchronising calls", "", "| kernel | us/step | launches | share | launched under |", "|---|---|---|---|---|"]
+    lines += [f"| {n[:90]} | {t:.1f} | {c:.0f} | {t / total:.1%} | {u[:80]} |" for n, t, c, u in rows[:TOP_KERNELS]]
     lines += ["", "| CUDA API call on the host | own us/step | calls/step |", "|---|---|---|"]
     lines += [f"| {n[:90]} | {t:.1f} | {c:.1f} |" for n, t, c in api[:TOP_API]]
     if with_host:

@@ -1119,9 +1119,12 @@ def write_inputs_in_place(graph) -> list[str]:
     input first and the copy_ write it all back, two passes over a cache per layer in a decode step
     for one new row.  Taken only where nothing reads the input (or a view of it) after the op, in
     the graph's final order, and the indices and values do not depend on the input (so a call
-    replayed after a failure writes the same).  torch.fx.passes.reinplace leaves graph inputs alone
-    (its own TODO) and Inductor's pass belongs to its lowering, hence this.  Returns the names of
-    the copy_ nodes removed."""
+    replayed after a failure writes the same).  An eager pointwise op on the input that only the
+    copy_ reads (HF's StaticCache advancing its length, `length.add_(1)`: an add, then a copy a layer of a
+    decode step, run 159) runs in place where the copy_ was: last, so the input keeps its value for every
+    read before it and a call that fails earlier leaves it unchanged.  torch.fx.passes.reinplace leaves
+    graph inputs alone (its own TODO) and Inductor's pass belongs to its lowering, hence this.  Returns
+    the names of the copy_ nodes removed."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     done = []
@@ -1129,9 +1132,18 @@ def write_inputs_in_place(graph) -> list[str]:
         if c.target is not aten.copy_.default or not isinstance(c.args[1], torch.fx.Node):
             continue
         dst, new = c.args[:2]
-        if dst.op != "placeholder" or new.target not in _IN_PLACE or new.args[0] is not dst \
-                or _accumulates(new) or not _same_layout(meta(new), meta(dst)) or _reads(new, dst) \
-                or any(u.op == "output" for u in new.users):  # returned too: it stays a tensor of its own
+        if dst.op != "placeholder" or not new.args or new.args[0] is not dst or not _same_layout(meta(new), meta(dst)) \
+                or _reads(new, dst) or any(u.op == "output" for u in new.users):  # returned: a tensor of its own
+            continue
+        pointwise = _in_place_op(new) if new.target not in _IN_PLACE and len(new.users) == 1 else None
+        if pointwise is not None:
+            c.prepend(new)  # where the copy_ was: after every read of the input
+            new.target = pointwise
+            c.replace_all_uses_with(dst)
+            done.append(c.name)
+            graph.erase_node(c)
+            continue
+        if new.target not in _IN_PLACE or _accumulates(new):
             continue
         views = {dst}
         for n in nodes[pos[dst] + 1:]:

@@ -449,6 +449,47 @@ def test_a_mutated_input_is_written_in_place_only_where_that_is_exact(device, ho
     assert fused.report.regions  # the read after the write is fused
 
 
+class StaticLayer(torch.nn.Module):
+    """transformers 5.x's StaticCache layer: new keys written at `arange(n) + length`, a 0-d buffer the call
+    advances; `read_after`: the length is read again after it was advanced (by the returned sum)."""
+
+    def __init__(self, read_after=False):
+        super().__init__()
+        self.read_after = read_after
+        self.register_buffer("length", torch.tensor(3))
+        self.register_buffer("keys", torch.randn(2, 3, 37, 8))
+
+    def forward(self, k):
+        pos = torch.arange(k.shape[-2], device=k.device) + self.length
+        self.length.add_(k.shape[-2])
+        self.keys.index_copy_(2, pos, k * 2)
+        out = torch.softmax(self.keys.float() * 0.5, dim=-1).sum(-2)
+        return out * self.length if self.read_after else out
+
+
+@pytest.mark.parametrize("read_after", [False, True], ids=["", "read_after"])
+def test_a_counter_advanced_in_place_is_written_last(device, read_after):
+    """The cache's length, `length.add_(n)`: AOT makes it an add and a copy_ back at the graph's end; the add
+    runs in place where the copy_ was (last: every read before it sees the old length), no copy.  Where the
+    program reads the new length after advancing it, the add stays and so does its copy.  The cache and the
+    length follow eager's over calls, in both."""
+    torch.manual_seed(0)
+    m, ref = StaticLayer(read_after).to(device), StaticLayer(read_after).to(device)
+    ref.load_state_dict(m.state_dict())
+    fused = fuser.fuse(m, dynamic=False)
+    with torch.no_grad():
+        for n in (1, 1, 2):
+            k = torch.randn(2, 3, n, 8, device=device)
+            assert_close_to_eager(fused(k), ref(k))
+            assert_close_to_eager(m.keys, ref.keys)
+            assert int(m.length) == int(ref.length)
+    code = fused.code
+    assert fused.report.fallback is None, fused.report.fallback
+    assert ("Tensor_copy_(" in code or "aten.copy_" in code) == read_after, code
+    assert ("aten.add_.Tensor(" in code) != read_after, code
+    assert f"{1 if read_after else 2} mutated inputs written in place" in " ".join(fused.report.notes), fused.report.notes
+
+
 @cuda
 def test_cuda_graph_replay_writes_a_buffer_in_place():
     """Under CUDA graphs the in-place write of a buffer is part of the replay: the buffer and the
