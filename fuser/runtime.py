@@ -51,7 +51,7 @@ from triton.runtime.jit import JITFunction
 
 from . import indexing as ix
 from .dtypes import interpreted
-from .graph import OWN_CALL, computed_from, meta
+from .graph import OWN_CALL, computed_from, is_size, meta
 from .plan import TensorSig, block_plan
 from .region import Region, persistent_at
 
@@ -1119,8 +1119,8 @@ def write_inputs_in_place(graph) -> list[str]:
     input first and the copy_ write it all back, two passes over a cache per layer in a decode step
     for one new row.  Taken only where nothing reads the input (or a view of it) after the op, in
     the graph's final order, and the indices and values do not depend on the input (so a call
-    replayed after a failure writes the same).  An eager pointwise op on the input that only the
-    copy_ reads (HF's StaticCache advancing its length, `length.add_(1)`: an add, then a copy a layer of a
+    replayed after a failure writes the same).  An eager pointwise op on the input and numbers (or
+    sizes) that only the copy_ reads (HF's StaticCache advancing its length, `length.add_(1)`: an add, then a copy a layer of a
     decode step, run 159) runs in place where the copy_ was: last, so the input keeps its value for every
     read before it and a call that fails earlier leaves it unchanged.  torch.fx.passes.reinplace leaves
     graph inputs alone (its own TODO) and Inductor's pass belongs to its lowering, hence this.  Returns
@@ -1135,7 +1135,9 @@ def write_inputs_in_place(graph) -> list[str]:
         if dst.op != "placeholder" or not new.args or new.args[0] is not dst or not _same_layout(meta(new), meta(dst)) \
                 or _reads(new, dst) or any(u.op == "output" for u in new.users):  # returned: a tensor of its own
             continue
-        pointwise = _in_place_op(new) if new.target not in _IN_PLACE and len(new.users) == 1 else None
+        # its other operands numbers or sizes: moved last, it reads no tensor that a write in place before changed
+        numbers = all(not isinstance(a, torch.fx.Node) or is_size(a) for a in (*new.args[1:], *new.kwargs.values()))
+        pointwise = _in_place_op(new) if new.target not in _IN_PLACE and len(new.users) == 1 and numbers else None
         if pointwise is not None:
             c.prepend(new)  # where the copy_ was: after every read of the input
             new.target = pointwise

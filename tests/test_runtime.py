@@ -467,18 +467,19 @@ class StaticLayer(torch.nn.Module):
         return out * self.length if self.read_after else out
 
 
-@pytest.mark.parametrize("read_after", [False, True], ids=["", "read_after"])
-def test_a_counter_advanced_in_place_is_written_last(device, read_after):
+@pytest.mark.parametrize("read_after, dynamic", [(False, False), (True, False), (False, True)],
+                         ids=["", "read_after", "dynamic"])
+def test_a_counter_advanced_in_place_is_written_last(device, read_after, dynamic):
     """The cache's length, `length.add_(n)`: AOT makes it an add and a copy_ back at the graph's end; the add
     runs in place where the copy_ was (last: every read before it sees the old length), no copy.  Where the
     program reads the new length after advancing it, the add stays and so does its copy.  The cache and the
-    length follow eager's over calls, in both."""
+    length follow eager's over calls, in both; over a symbolic count of new keys too (the add reads a size)."""
     torch.manual_seed(0)
     m, ref = StaticLayer(read_after).to(device), StaticLayer(read_after).to(device)
     ref.load_state_dict(m.state_dict())
-    fused = fuser.fuse(m, dynamic=False)
+    fused = fuser.fuse(m, dynamic=dynamic)
     with torch.no_grad():
-        for n in (1, 1, 2):
+        for n in (2, 3, 2) if dynamic else (1, 1, 2):  # dynamic: past 0/1, so the count is a size symbol
             k = torch.randn(2, 3, n, 8, device=device)
             assert_close_to_eager(fused(k), ref(k))
             assert_close_to_eager(m.keys, ref.keys)
