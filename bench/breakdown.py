@@ -165,7 +165,8 @@ def cell(name, system, fns, with_host):
     split = "" if phases is None else " (forward {:.0f}, backward {:.0f}, optimizer {:.0f})".format(*phases)
     lines = [f"### {name} / {system}", "", f"kernel time {total:.1f} us per step, "
              f"{sum(r[2] for r in rows):.0f} launches; without a profiler: step {step_us:.0f} us (back to back), "
-             f"host {host_us:.0f} us{split} (the GPU busy ahead of it), {syncs} synchronising calls", "", "| kernel | us/step | launches | share | launched under |", "|---|---|---|---|---|"]
+             f"host {host_us:.0f} us{split} (the GPU busy ahead of it), {syncs} synchronising calls", "",
+             "| kernel | us/step | launches | share | launched under |", "|---|---|---|---|---|"]
     lines += [f"| {n[:90]} | {t:.1f} | {c:.0f} | {t / total:.1%} | {u[:80]} |" for n, t, c, u in rows[:TOP_KERNELS]]
     lines += ["", "| CUDA API call on the host | own us/step | calls/step |", "|---|---|---|"]
     lines += [f"| {n[:90]} | {t:.1f} | {c:.1f} |" for n, t, c in api[:TOP_API]]

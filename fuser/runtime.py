@@ -1120,11 +1120,11 @@ def write_inputs_in_place(graph) -> list[str]:
     for one new row.  Taken only where nothing reads the input (or a view of it) after the op, in
     the graph's final order, and the indices and values do not depend on the input (so a call
     replayed after a failure writes the same).  An eager pointwise op on the input and numbers (or
-    sizes) that only the copy_ reads (HF's StaticCache advancing its length, `length.add_(1)`: an add, then a copy a layer of a
-    decode step, run 159) runs in place where the copy_ was: last, so the input keeps its value for every
-    read before it and a call that fails earlier leaves it unchanged.  torch.fx.passes.reinplace leaves
-    graph inputs alone (its own TODO) and Inductor's pass belongs to its lowering, hence this.  Returns
-    the names of the copy_ nodes removed."""
+    sizes) that only the copy_ reads (HF's StaticCache advancing its length, `length.add_(1)`: an add,
+    then a copy, a layer of a decode step, run 159) runs in place where the copy_ was: last, so the
+    input keeps its value for every read before it and a call that fails earlier leaves it unchanged.
+    torch.fx.passes.reinplace leaves graph inputs alone (its own TODO) and Inductor's pass belongs to
+    its lowering, hence this.  Returns the names of the copy_ nodes removed."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     done = []

@@ -303,7 +303,10 @@ def test_a_lone_op_that_eager_runs_as_two_kernels_runs_as_our_kernel(device):
     torch.manual_seed(5)
     cache, k = torch.randn(2, 3, 11, 5, device=device), torch.randn(2, 3, 2, 5, device=device)
     length = torch.tensor(4, device=device)
-    step = lambda cache, length, k: cache.index_copy(2, torch.arange(k.shape[-2], device=k.device) + length, k)  # noqa: E731
+
+    def step(cache, length, k):
+        return cache.index_copy(2, torch.arange(k.shape[-2], device=k.device) + length, k)
+
     fused = fuser.fuse(step)
     assert_close_to_eager(fused(cache, length, k), step(cache, length, k))
     assert any(r.ops == ["aten.add.Tensor"] for r in fused.report.regions), fused.report
