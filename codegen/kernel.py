@@ -135,22 +135,27 @@ class KernelWriter:
         self.ptr.update({n: f"out{i}_ptr" for i, n in enumerate(region.outputs)})
 
     # ------------------------------------------------------------------ canonical indices
-    def full_index(self) -> tuple:
-        if not self.reduction:  # x walks the elements in the order the first output is laid out
-            order = self._store_order()
-            walked = ix.delinearize(X, tuple(self.space.full[d] for d in order), self.ranges)
-            return tuple(walked[order.index(d)] for d in range(len(self.space.full)))
+    def full_index(self, o=None) -> tuple:
+        """The index x stands for in the full shape, or (pointwise) in output o's own shape."""
+        if not self.reduction:  # x walks the elements in the order the output is laid out
+            full = self.space.full if o is None else self.cg.store_shape(o)
+            order = self._store_order(o, full)
+            walked = ix.delinearize(X, tuple(full[d] for d in order), self.ranges)
+            return tuple(walked[order.index(d)] for d in range(len(full)))
         kept = iter(ix.delinearize(X, self.space.kept, self.ranges))
         red = iter(ix.delinearize(R, tuple(self.space.full[d] for d in self.space.reduced), self.ranges))
         return tuple(next(red) if d in self.space.reduced else next(kept) for d in range(len(self.space.full)))
 
-    def _store_order(self) -> list:
-        """Dims from outermost to innermost in the memory order of the first output (its strides,
-        largest first): a channels_last output is walked as NHWC, so its stores (and the loads of
-        inputs laid out alike) are contiguous in x; a contiguous output keeps the logical order."""
-        sig = self.out_sig[self.region.outputs[0]]
-        dims = range(len(self.space.full))
-        if tuple(sig.shape) != tuple(self.space.full):
+    def _store_order(self, o, full) -> list:
+        """Dims from outermost to innermost in the memory order of output o (the first of the full
+        shape by default; its strides, largest first): a channels_last output is walked as NHWC, so
+        its stores (and the loads of inputs laid out alike) are contiguous in x; a contiguous output
+        keeps the logical order."""
+        if o is None:
+            o = next((p for p in self.region.outputs if shape(p) == tuple(full)), self.region.outputs[0])
+        sig = self.out_sig[o]
+        dims = range(len(full))
+        if tuple(sig.shape) != tuple(full):
             return list(dims)
         hint = self.sizes.hint  # the order only decides which accesses are contiguous, never the addresses
         return sorted(dims, key=lambda d: (-hint(sig.stride[d]) if hint(sig.shape[d]) > 1 else 0, d))
@@ -543,16 +548,40 @@ class KernelWriter:
         self.emit(f"{m_acc} = {m_new}")
 
     # ------------------------------------------------------------------ stores
-    def _store(self, o, idx):
+    def _store(self, o, idx, cond: str | None = None):
+        if isinstance(self.cg.info[o], ops.Scatter):
+            return self._scatter(o, idx, cond)
         sig = self.out_sig[o]
-        v = self.value(o, idx)
+        v = self.value(o, idx, cond)
         addr = sum((i * s for i, s, size in zip(idx, sig.stride, sig.shape) if size != 1), sympy.Integer(0))
         addr = ix.texpr(ix.combine(addr, self.ranges))
         per_row = self.reduction and shape(o) != self.space.full
         mask = "xmask" if per_row or not self.reduction else "xmask & rmask"
+        mask += f" & ({cond})" if cond else ""
         if not re.search(r"\bx\b", addr):  # a single value: the pointer must still be a block
             addr = f"{addr} + 0 * x"
         self.accesses.append(("store", o, addr))
+        self.emit(f"tl.store({self.ptr[o]} + ({addr}), {convert(v, self.dtypes[v], sig.dtype)}, {mask})")
+
+    def _scatter(self, o, idx, cond):
+        """index_put(dst, [.., index at dim, ..], values) stored into dst in place (its output buffer is
+        dst: fuser.rewrite): the values at `idx` (over the indexed positions) go to dst with the index
+        loaded in place of the indexed dims, taken from the end where negative; out of range raises, as
+        in eager, and the store is masked by it, so no lane writes outside dst."""
+        d = self.cg.info[o].dim
+        index, values, sig = o.args[1][d], o.args[2], self.out_sig[o]
+        span = len(shape(index))
+        iv = self._load_index(index, tuple(idx[d:d + span]), cond)
+        size = ix.texpr(shape(o)[d])
+        ok = f"({iv} >= -{size}) & ({iv} < {size})"
+        self._check(ops.Check(ok, f"index_put: index out of bounds for dimension {d} with size {shape(o)[d]}"), cond)
+        iv = self.new(f"tl.where({iv} < 0, {iv} + {size}, {iv})", self.dtypes[iv])
+        at = (*idx[:d], sympy.Integer(0), *idx[d + span:])
+        addr = sum((i * st for i, st, n in zip(at, sig.stride, sig.shape) if n != 1), sympy.Integer(0))
+        addr = f"{ix.texpr(ix.combine(addr, self.ranges))} + {iv} * {ix.texpr(sig.stride[d])}"
+        v = self.value(values, ix.broadcast_index(idx, self.cg.store_shape(o), shape(values)), cond)
+        mask = " & ".join(["xmask", f"({ok})"] + ([f"({cond})"] if cond else []))
+        self.accesses.append(("scatter", o, addr))
         self.emit(f"tl.store({self.ptr[o]} + ({addr}), {convert(v, self.dtypes[v], sig.dtype)}, {mask})")
 
     # ------------------------------------------------------------------ the kernel
@@ -577,7 +606,14 @@ class KernelWriter:
             self.emit(f"x = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
             self.emit(f"xmask = x < {ix.texpr(self.space.rows)}")
             for o in full_outs:
-                self._store(o, self.full_index())
+                stored = self.cg.store_shape(o)
+                if ix.numel(stored) == 0:
+                    continue  # no element (a horizontally fused output with a dim of size 0)
+                if shape(o) == tuple(self.space.full):
+                    self._store(o, self.full_index())
+                else:  # horizontally fused (region._widest), or a scatter: its own index, on its own elements
+                    fewer = sympy.expand(self.space.rows - ix.numel(stored)) != 0
+                    self._store(o, self.full_index(o), f"(x < {ix.texpr(ix.numel(stored))})" if fewer else None)
         else:
             self.emit(f"x = {pid} * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
             self.emit(f"xmask = x < {ix.texpr(self.space.rows)}")
@@ -654,8 +690,11 @@ class KernelWriter:
             lines.append(f"#   read  {n.name}: {list(shape(n))} {meta(n).dtype}".replace("torch.", "")
                          + (f" x{p} passes" if p > 1 else ""))
         for n in self.region.outputs:
-            lines.append(f"#   write {n.name}: {list(shape(n))} {meta(n).dtype}".replace("torch.", "")
-                         + f" = {_value(numel_bytes(n), hint)} B")
+            stored = self.cg.store_shape(n)
+            into = f" into {n.args[0].name} {list(shape(n))} in place, at its indexed positions" \
+                if isinstance(self.cg.info[n], ops.Scatter) else ""
+            lines.append(f"#   write {n.name}: {list(stored)} {meta(n).dtype}".replace("torch.", "")
+                         + f"{into} = {_value(ix.numel(stored) * meta(n).element_size(), hint)} B")
         lines.append(f"# bytes fused {_value(cost.bytes_fused, hint)} vs unfused {_value(cost.bytes_unfused, hint)} "
                      f"({cost.launches_unfused} eager kernels): k = {cost.k:.2f}"
                      + (" at the sizes seen at capture" if cost.bytes_fused.free_symbols else ""))
@@ -676,10 +715,6 @@ def _simplified(sig, sizes):
     if not any(isinstance(st, sympy.Basic) and not st.is_Integer for st in sig.stride):
         return sig
     return type(sig)(sig.shape, tuple(sizes.simplify(st) for st in sig.stride), sig.dtype)
-
-
-def numel_bytes(n):
-    return ix.numel(shape(n)) * meta(n).element_size()
 
 
 def _value(e, hint) -> str:

@@ -78,7 +78,9 @@ def eager_cost(cg: ComputeGraph, n, generators: bool = False) -> tuple[sympy.Exp
         return b, launches
     reads = sum((tensor_bytes(a, cg.read_elems(n, a)) for a in cg.data_inputs(n)), sympy.Integer(0))
     outs = meta(n)
-    if outs is not None:
+    if isinstance(cg.info.get(n), ops.Scatter):  # in place: the indexed positions alone
+        writes = tensor_bytes(n, ix.numel(cg.store_shape(n)))
+    elif outs is not None:
         writes = tensor_bytes(n)
     else:  # multi-output ops (var_mean): every tensor they return
         writes = sum((ix.numel(t.shape) * t.element_size() for t in n.meta["val"] if isinstance(t, torch.Tensor)),
@@ -114,7 +116,7 @@ def region_cost(region: Region) -> Cost:
         elems = max((cg.read_elems(c, a) for c in region.nodes if a in cg.data_inputs(c)), key=cg.sizes.hint)
         fused += tensor_bytes(a, elems) * passes[a]
     for o in region.outputs:
-        fused += tensor_bytes(o)
+        fused += tensor_bytes(o, ix.numel(cg.store_shape(o)))
     space, hint = region.space, cg.sizes.hint
     plan = block_plan(hint(space.rows), hint(space.r) if space.is_reduction else None, "cuda", region.column)
     return Cost(unfused, fused, launches, plan.programs, cg.sizes)

@@ -45,6 +45,12 @@ def static_shape(t: torch.Tensor) -> bool:
     return all(isinstance(s, int) for s in t.shape)
 
 
+def _scattered(n, d: int) -> tuple:
+    """The positions index_put n writes: its input's dims, dim d replaced by the index's."""
+    dst = shape(n)
+    return (*dst[:d], *shape(n.args[1][d]), *dst[d + 1:])
+
+
 def cpu_scalar(t) -> bool:
     """A 0-d CPU tensor: eager and our kernels read it as a number, on any device."""
     return isinstance(t, torch.Tensor) and t.dim() == 0 and t.device.type == "cpu"
@@ -250,13 +256,42 @@ class ComputeGraph:
                     return ops.Opaque(f"operand dtype {meta(a).dtype} has no Triton lowering here")
                 if meta(a).device != v.device and meta(a).dim() > 0:
                     return ops.Opaque("operands on another device")
+        if isinstance(kind, ops.Scatter):
+            for a in operands(n):
+                if meta(a) is None or meta(a).dtype not in TL_DTYPE or meta(a).device != v.device:
+                    return ops.Opaque("index_put with an operand of another device or dtype: left to eager")
+            reason = self._scatter_refusal(n, kind.dim)
+            if reason is not None:
+                return ops.Opaque(reason)
         if n.target is aten._to_copy.default and n.kwargs.get("device") not in (None, v.device) \
                 and operands(n) and meta(operands(n)[0]).device != v.device:
             return ops.Opaque("a device transfer")
         return kind
 
     def fusible(self, n) -> bool:
-        return isinstance(self.info[n], (ops.Pointwise, ops.Layout, ops.Reduction))
+        return isinstance(self.info[n], (ops.Pointwise, ops.Layout, ops.Reduction, ops.Scatter))
+
+    def store_shape(self, n) -> tuple:
+        """The elements n's kernel stores: its result's shape, or for a Scatter the indexed positions
+        (the input's dims, the indexed one replaced by the index's)."""
+        kind = self.info.get(n)
+        return _scattered(n, kind.dim) if isinstance(kind, ops.Scatter) else shape(n)
+
+    def _scatter_refusal(self, n, d: int) -> str | None:
+        """Why index_put n cannot store into its input in place, in a kernel of ours: the input must be a
+        graph input that nothing but n reads, which the graph's end writes back (AOT Autograd's copy_ of a
+        mutated input: nothing can have wanted its old values, so writing it where n runs changes no
+        read), and sizes static (the wrapper hands the input to the kernel as its output buffer)."""
+        dst, values, index = n.args[0], n.args[2], n.args[1][d]
+        others = [u for u in dst.users if u is not n]
+        if dst.op != "placeholder" or len(others) != 1 or others[0].target is not aten.copy_.default \
+                or others[0].args[1] is not n:
+            return "index_put into a tensor read elsewhere in the graph: eager's (in place where nothing reads it after)"
+        v, into, x = meta(values), meta(dst), meta(n)
+        if not all(static_shape(t) for t in (v, into, meta(index))) or x.stride() != into.stride() \
+                or v.dtype != into.dtype or ix.broadcast_shapes(_scattered(n, d), shape(values)) != _scattered(n, d):
+            return "index_put over symbolic sizes, another layout or dtype, or broadcast values: left to eager"
+        return None
 
     def transparent(self, n) -> bool:
         """Costs nothing in eager and is re-derived by index math: views and generators."""
@@ -273,8 +308,9 @@ class ComputeGraph:
         out = {}
         for n in self.nodes:
             found = []
+            skip = n.args[0] if isinstance(self.info.get(n), ops.Scatter) else None  # written, not read
             for a in operands(n) if n.op == "call_function" else []:
-                if not is_size(a):
+                if not is_size(a) and a is not skip:
                     found.extend(out[a] if self.transparent(a) else [a])
             out[n] = list(dict.fromkeys(found))
         return out

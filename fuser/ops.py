@@ -64,6 +64,15 @@ class Reduction:
 
 
 @dataclass(frozen=True)
+class Scatter:
+    """index_put without accumulation by one integer index tensor at `dim`, into a graph input that
+    nothing else reads (a KV cache written at its new positions): the kernel stores the values into
+    the input in place, at the indexed positions, and writes nothing else (fuser.graph.ComputeGraph
+    checks the graph allows it).  Its iteration space is the values' (store_shape), not the input's."""
+    dim: int
+
+
+@dataclass(frozen=True)
 class Opaque:
     reason: str
 
@@ -920,6 +929,8 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     packet = getattr(target, "overloadpacket", None)
     if packet in OPAQUE:
         return Opaque(OPAQUE[packet])
+    if packet is aten.index_put:
+        return _scatter(node)
     if packet is aten.index and not _integer_indices(node):
         return Opaque("indexing by a mask (a gather of a data-dependent size), or by several tensors one of them "
                       "0-d (torch's fake tensors shape it otherwise than eager): left to eager")
@@ -929,6 +940,16 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     if isinstance(target, torch._ops.OpOverload) and target.name() in NAMED:
         return NAMED[target.name()]
     return Opaque(f"no Triton lowering for {target}")
+
+
+def _scatter(node) -> Scatter | Opaque:
+    if node.target is not aten.index_put.default or node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False):
+        return Opaque("index_put with accumulate: left to eager (repeated indices add up)")
+    given = [(d, t) for d, t in enumerate(node.args[1]) if t is not None]
+    values = node.args[2]
+    if len(given) != 1 or not _integer_indices(node) or not isinstance(values, torch.fx.Node):
+        return Opaque("index_put by several index tensors or a mask: left to eager")
+    return Scatter(given[0][0])
 
 
 def _integer_indices(node) -> bool:

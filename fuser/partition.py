@@ -21,6 +21,7 @@ from . import ops
 from .cost import Cost, eager_cost, eager_slow_path, eager_time, region_cost
 from .graph import OWN_KERNEL, ComputeGraph, cpu_scalar, is_size, meta
 from .region import PERSISTENT_MAX_R, Region, analyze, reduction_space
+from .runtime import updated_in_place
 
 
 ALONE_MARGIN = 1.25  # a lone op runs as our kernel only where the model has it this much faster than eager's
@@ -49,6 +50,10 @@ class Partitioner:
         self.reasons: dict = {}
         self.costs: dict = {}  # region -> Cost, for the regions partition() returns
         self._eager: dict = {}  # node -> eager_time
+        # pointwise outputs of several shapes (horizontal fusion): for siblings, not while producers and
+        # consumers merge node by node (a broadcast consumer would take its producer's kernel, recomputing
+        # it per element, where a reduction after the consumer could have taken the consumer)
+        self.widest = False
 
     def _size_sources(self, n) -> set:
         """The nodes whose tensors n's sizes are read off (sym_size of them, through views and size
@@ -93,7 +98,7 @@ class Partitioner:
         return t
 
     def region(self, nodes, rid=0) -> Region | None:
-        space = analyze(self.cg, list(nodes))
+        space = analyze(self.cg, list(nodes), self.widest)
         return None if space is None else Region(self.cg, list(nodes), space, rid)
 
     def cost(self, region: Region) -> Cost:
@@ -146,6 +151,9 @@ class Partitioner:
         for n in self.cg.nodes:
             if not self.candidate(n):
                 continue
+            if updated_in_place(n) is not None:
+                self.reasons[n] = "a mutated input's new value, written into it in place by eager's in-place op"
+                continue
             if isinstance(self.cg.info[n], ops.Reduction) and reduction_space(n).r == 0:
                 self.reasons[n] = "a reduction over an empty dim: eager gives the identity (or raises)"
                 continue
@@ -162,6 +170,7 @@ class Partitioner:
                     if not merged and n.target is operator.getitem:
                         self.reasons[n] = "a component of an op that stays eager"
         self.absorb_producers()
+        self.widest = True
         self.absorb_siblings()
         self.absorb_producers()  # siblings merged: a producer they both read through a view may now have one reader
         regions = []
@@ -233,14 +242,17 @@ class Partitioner:
             nodes = self.members.get(gid)
             if nodes is None or nodes & self.apart:
                 continue
-            # a 0-d CPU scalar is read on any device: not a tie between groups
-            inputs = {x for n in nodes for x in self.cg.data_inputs(n) if x not in nodes and not cpu_scalar(meta(x))}
+            # a 0-d CPU scalar is read on any device: not a tie between groups, but where the group runs on CPU
+            on_cpu = _placed(nodes) == {"cpu"}
+            inputs = {x for n in nodes for x in self.cg.data_inputs(n)
+                      if x not in nodes and (on_cpu or not cpu_scalar(meta(x)))}
             producers = {self.group[x] for x in inputs if x in self.group}
             near = inputs | {m for p in producers for m in self.members.get(p, ())}
             siblings = sorted({self.group.get(c) for x in near for c in self.cg.consumers(x)} - {gid, None} - producers)
             for other in siblings:
                 theirs = self.members.get(other)
-                if theirs is None or theirs & self.apart or _devices(theirs) != _devices(nodes):
+                if theirs is None or theirs & self.apart or _placed(theirs) != _placed(nodes) \
+                        or (not on_cpu and _devices(theirs) != _devices(nodes)):
                     continue
                 if self.try_merge(other, gid):
                     break
@@ -261,6 +273,11 @@ class Partitioner:
 
 def _devices(nodes) -> set:
     return {v.device for n in nodes if (v := meta(n)) is not None and not cpu_scalar(v)}
+
+
+def _placed(nodes) -> set:
+    """The device types of every tensor the nodes make, 0-d CPU ones included."""
+    return {v.device.type for n in nodes if (v := meta(n)) is not None}
 
 
 def _forced(a: set, b: set) -> bool:

@@ -244,12 +244,16 @@ class Region:
         return count
 
 
-def analyze(cg: ComputeGraph, nodes) -> Space | None:
-    """The iteration space these nodes can share in one kernel, or None if they cannot."""
+def analyze(cg: ComputeGraph, nodes, widest: bool = True) -> Space | None:
+    """The iteration space these nodes can share in one kernel, or None if they cannot; with `widest`
+    off, pointwise outputs of one shape only."""
     members = set(nodes)
     spaces = {reduction_space(n) for n in nodes if _is_reduction(cg, n)}
     if len(spaces) > 1:
         return None
+    scatters = {n for n in nodes if isinstance(cg.info[n], ops.Scatter)}
+    if scatters and (spaces or any(a in scatters for n in nodes for a in cg.data_inputs(n))):
+        return None  # a scatter's result is only ever stored (no element of it can be computed)
     outs = [n for n in nodes if meta(n) is not None and any(c not in members for c in cg.consumers(n))]
     if not outs:
         outs = [n for n in nodes if meta(n) is not None]
@@ -268,7 +272,18 @@ def analyze(cg: ComputeGraph, nodes) -> Space | None:
                 if shape(n) != space.full and not space.row_shaped(shape(n)):
                     return None
         return space
-    shapes = {shape(o) for o in outs}
-    if len(shapes) != 1:
-        return None
-    return Space(shapes.pop())
+    shapes = list(dict.fromkeys(cg.store_shape(o) for o in outs))
+    if len(shapes) == 1:
+        return Space(shapes[0])
+    return _widest(cg, shapes) if widest else None
+
+
+def _widest(cg: ComputeGraph, shapes: list) -> Space | None:
+    """Outputs of several shapes (horizontal fusion of siblings: a decode step's rotated queries and
+    keys, [1, 32, 1, 128] and [1, 8, 1, 128]; its cache positions [1] beside its mask [1, 1, 1, 1040]): the kernel
+    walks the largest, and each other output is stored at its own index where x < its numel.  None
+    where no shape has at least every other's elements at every size."""
+    for full in shapes:
+        if all(cg.sizes.nonneg(ix.numel(full) - ix.numel(s)) for s in shapes):
+            return Space(full)
+    return None

@@ -118,7 +118,7 @@ class FusionReport:
             ops = [o.replace("aten.", "").split(".")[0] for o in r.ops]
             short = ", ".join(dict.fromkeys(ops))
             rows.append((f"{r.graph}.{r.id}", r.kind, short if len(short) < 60 else short[:57] + "...",
-                         r.output_shapes[0] if r.output_shapes else "", _bytes(r.bytes_unfused),
+                         _shapes(r.output_shapes), _bytes(r.bytes_unfused),
                          _bytes(r.bytes_fused), f"{r.k:.2f}"))
             if r.symbolic:
                 symbolic.append(r)
@@ -147,6 +147,12 @@ class FusionReport:
         lines += [f"left to eager as a whole: {f}" for f in self.all_fallbacks]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _shapes(shapes: list[str]) -> str:
+    """The first output's shape, and how many other shapes a horizontally fused region stores."""
+    others = len(set(shapes[1:]) - {shapes[0]}) if shapes else 0
+    return (shapes[0] if shapes else "") + (f" (+{others} shape{'s' * (others > 1)})" if others else "")
 
 
 def _bytes(b: int) -> str:

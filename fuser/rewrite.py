@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from . import indexing as ix
 from .graph import meta, static_shape
-from .runtime import allocator, fast_views, reinterpret, reuse_buffers, write_outputs_in_place
+from .runtime import allocator, fast_views, reinterpret, reuse_buffers, write_outputs_in_place, written_into
 
 
 class Unbound(Exception):
@@ -100,7 +100,10 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None
             outs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(u.outputs))]
         else:
             bufs = []
-            for shape, stride, dtype, device in buffers:
+            for o, (shape, stride, dtype, device) in zip(u.outputs, buffers):
+                if (dst := written_into(u, o)) is not None:  # a scatter: stored into its input in place
+                    bufs.append(env[dst])
+                    continue
                 alloc = allocators.get(device) or allocators.setdefault(device, allocator(device))
                 bufs.append(graph.create_node("call_function", alloc, (shape, stride, dtype), name=f"buf{len(allocations)}"))
                 allocations.add(bufs[-1])

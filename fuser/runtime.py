@@ -50,6 +50,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from . import indexing as ix
+from . import ops
 from .dtypes import interpreted
 from .graph import OWN_CALL, computed_from, is_size, meta
 from .plan import TensorSig, block_plan
@@ -354,6 +355,8 @@ class RegionKernel(torch.nn.Module):
         self.symbols = region.size_symbols
         r_symbols = ix.size_symbols(region.space.r)  # a row length that is one symbol can be made constant
         self._row_symbol = region.space.r if len(r_symbols) == 1 and next(iter(r_symbols)) == region.space.r else None
+        # outputs stored into an input in place (ops.Scatter): the wrapper hands that input over as the buffer
+        self.scatters = tuple(j for j, o in enumerate(region.outputs) if isinstance(region.cg.info[o], ops.Scatter))
         self.seen: tuple = ()  # the size arguments of the latest call (the report's values)
         self.checked = tuple(range(len(self.in_sigs)))  # inputs `into` compares (the rewrite narrows it)
         self.moved = {i for i, n in enumerate(region.inputs) if meta(n).device != self.device}  # 0-d CPU scalars
@@ -472,6 +475,9 @@ class RegionKernel(torch.nn.Module):
         """The general entry (kernels over symbolic sizes, and any direct call): checks every input,
         allocates the outputs, launches; returns the outputs.  Over symbolic sizes, a call at sizes
         seen before takes the call bound for them (_bind_sizes) when its inputs match."""
+        if self.scatters:
+            raise RuntimeError(f"{self.name} stores into an input in place: it is called through the graph's "
+                               "wrapper, with that input as its output buffer")
         if self.symbols:
             bound = self._at.get(args[len(self.in_sigs):])
             if bound is not None:
@@ -1132,12 +1138,15 @@ def write_inputs_in_place(graph) -> list[str]:
         if c.target is not aten.copy_.default or not isinstance(c.args[1], torch.fx.Node):
             continue
         dst, new = c.args[:2]
+        if dst.op == "placeholder" and _returned_input(new) is dst:  # our kernel stored into dst in place
+            c.replace_all_uses_with(dst)
+            done.append(c.name)
+            graph.erase_node(c)
+            continue
         if dst.op != "placeholder" or not new.args or new.args[0] is not dst or not _same_layout(meta(new), meta(dst)) \
                 or _reads(new, dst) or any(u.op == "output" for u in new.users):  # returned: a tensor of its own
             continue
-        # its other operands numbers or sizes: moved last, it reads no tensor that a write in place before changed
-        numbers = all(not isinstance(a, torch.fx.Node) or is_size(a) for a in (*new.args[1:], *new.kwargs.values()))
-        pointwise = _in_place_op(new) if new.target not in _IN_PLACE and len(new.users) == 1 and numbers else None
+        pointwise = updated_in_place(new)
         if pointwise is not None:
             c.prepend(new)  # where the copy_ was: after every read of the input
             new.target = pointwise
@@ -1158,6 +1167,38 @@ def write_inputs_in_place(graph) -> list[str]:
         done.append(c.name)
         graph.erase_node(c)
     return done
+
+
+def written_into(unit, o):
+    """The graph input a unit's output `o` is stored into in place (an index_put, ops.Scatter: the wrapper
+    hands the input over as the output's buffer), or None."""
+    cg = getattr(unit, "cg", None)
+    return o.args[0] if cg is not None and isinstance(cg.info.get(o), ops.Scatter) else None
+
+
+def _returned_input(new):
+    """The argument a call of our kernels returns as `new` (its output buffer), or None."""
+    call, j = (new.args[0], new.args[1]) if new.target is operator.getitem else (new, 0)
+    given = getattr(call.target, "returns_args", None) if call.op == "call_function" else None
+    return call.args[given.start + j] if given is not None and given.start + j < len(call.args) else None
+
+
+def updated_in_place(new):
+    """The in-place op that writes `new`, a mutated input's new value, into the input itself (see
+    write_inputs_in_place), or None: an eager pointwise op on the input whose other operands are
+    numbers or sizes (moved last, it reads no tensor that a write in place before it changed) and
+    that only the copy_ back reads.  The partitioner leaves such an op to eager: in a kernel that
+    reads the input at other elements too, it could not be written in place (programs run in no
+    order), and a copy back would cost a launch more."""
+    users = list(new.users)
+    if len(users) != 1 or users[0].target is not aten.copy_.default or users[0].args[1] is not new \
+            or new.target in _IN_PLACE:
+        return None
+    dst = users[0].args[0]
+    if dst.op != "placeholder" or not new.args or new.args[0] is not dst or not _same_layout(meta(new), meta(dst)):
+        return None
+    numbers = all(not isinstance(a, torch.fx.Node) or is_size(a) for a in (*new.args[1:], *new.kwargs.values()))
+    return _in_place_op(new) if numbers else None
 
 
 def _accumulates(n) -> bool:

@@ -121,7 +121,8 @@ def test_llama_new_length_compiles_once_generically(device):
 def test_llama_decode_over_a_static_cache(device):
     """Decode steps over a StaticCache (GQA 6/2 heads, one token a step, positions given as tensors:
     one graph).  Logits and the cache follow eager's step by step; the cache is written in place
-    (no copy of it, no copy back) and K/V are not repeated to every query head."""
+    (no copy of it, no copy back) by the kernel that rotates the keys, beside the queries', and K/V
+    are not repeated to every query head."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                                    num_attention_heads=6, num_key_value_heads=2, attn_implementation="sdpa")
@@ -144,6 +145,10 @@ def test_llama_decode_over_a_static_cache(device):
                 torch.testing.assert_close(a.values, b.values, **TOL[_dtype(device)])
     assert all(r.fallback is None for r in fused.reports), [r.fallback for r in fused.reports]
     code, notes = fused.code, " ".join(fused.report.notes)
-    assert "index_put_" in code and "clone" not in code, code
+    assert "index_put" not in code and "clone" not in code and "copy_" not in code, code
+    layers = [r for r in fused.report.regions if r.ops.count("aten.index_put.default") == 2]
+    # per layer one kernel: q and k rotated (neg: rotate_half), k and v stored into the cache at the position
+    assert len(layers) == 2 and all("aten.neg.default" in r.ops and len(set(r.output_shapes)) == 2 for r in layers), \
+        fused.report
     assert "written in place" in notes and "shares K and V" in notes, notes
     assert len(fused.reports) == 1

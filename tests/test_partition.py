@@ -547,3 +547,76 @@ def test_identities_kept_where_the_graph_returns_them_through_a_view_or_they_are
     for got, want in zip(cf(z), ((z + 0) * 2, (z * 1) * 2)):
         torch.testing.assert_close(got, want, equal_nan=True)
         assert torch.equal(torch.signbit(got.real), torch.signbit(want.real))
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_siblings_of_other_shapes_share_one_kernel(dtype, dynamic, device):
+    """RoPE's rotated queries and keys (GQA: 5 query heads, 3 key heads) read the same cos and sin: one
+    kernel stores both, walking the queries' elements and storing the keys where x is below their count
+    (a launch fewer a layer; a decode step's launches are its time).  Queries non-contiguous (a transposed
+    projection), cos and sin broadcast; over a dynamic sequence length too."""
+    def f(q, k, cos, sin):
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    torch.manual_seed(0)
+    compiled = torch.compile(f, backend="fuser")  # a second length: Dynamo makes that dim alone symbolic
+    for t in (7, 13) if dynamic else (7,):
+        q = torch.randn(2, t, 5, 24, device=device, dtype=dtype).transpose(1, 2)
+        k = torch.randn(2, 3, t, 24, device=device, dtype=dtype)
+        cos, sin = torch.randn(t, 24, device=device, dtype=dtype), torch.randn(t, 24, device=device, dtype=dtype)
+        before = len(fuser.reports())
+        got = compiled(q, k, cos, sin)
+        assert_close_to_eager(got, f(q, k, cos, sin))
+        assert [got[0].shape, got[1].shape] == [q.shape, k.shape]
+    report = fuser.reports()[before]
+    (region,) = report.regions
+    assert len(region.output_shapes) == 2 and region.output_shapes[0] != region.output_shapes[1], region
+    assert region.symbolic == dynamic and not report.unfused, report
+
+
+def test_siblings_whose_sizes_are_not_ordered_keep_their_kernels(device):
+    """Two groups read one tensor, but neither output has at least the other's elements at every size
+    ([s0, 3] and [s1, 5] over independent symbolic sizes): no kernel walks both, each keeps its own."""
+    def f(a, b, w):
+        return torch.exp(a * w).sin(), torch.cos(b * w).exp()
+
+    torch.manual_seed(0)
+    compiled = torch.compile(f, backend="fuser", dynamic=True)
+    w = torch.randn((), device=device) + 2
+    for m, n in ((7, 5), (11, 9)):
+        a, b = torch.randn(m, 3, device=device), torch.randn(n, 5, device=device)
+        assert_close_to_eager(compiled(a, b, w), f(a, b, w))
+    report = fuser.reports()[-1]
+    assert len(report.regions) == 2 and all(len(r.output_shapes) == 1 for r in report.regions), report
+
+
+def test_a_counter_beside_its_readers_stays_an_in_place_op(device):
+    """HF's StaticCache: positions `arange(1) + length` and a mask from the length are siblings of
+    `length.add_(1)`.  The mask and positions share a kernel (of other shapes); the counter's add stays
+    eager's in-place op (in the kernel that reads the length at every element, programs in no order could
+    not write it in place, and a copy back would cost a launch more).  Values and the counter match eager."""
+    def f(length, keys):
+        positions = torch.arange(1, device=length.device) + length
+        mask = torch.arange(keys.shape[-1], device=length.device) <= length
+        length.add_(1)
+        return positions, torch.where(mask, keys, -1e4)
+
+    torch.manual_seed(0)
+    keys = torch.randn(2, 3, 37, device=device)
+    mine, theirs = torch.tensor(11, device=device), torch.tensor(11, device=device)
+    compiled = torch.compile(f, backend="fuser")
+    for _ in range(3):
+        assert_close_to_eager(compiled(mine, keys), f(theirs, keys))
+        assert mine.item() == theirs.item()
+    report = fuser.reports()[-1]
+    (region,) = report.regions
+    assert sorted(region.ops) == ["aten.add.Tensor", "aten.le.Tensor", "aten.where.self"], report
+    assert region.output_shapes == ["[1] int64", f"[2, 3, 37] {keys.dtype}".replace("torch.", "")], report
+    assert [u.op for u in report.unfused] == ["aten.add.Tensor"], report
+    assert "in place" in report.unfused[0].reason

@@ -449,6 +449,74 @@ def test_a_mutated_input_is_written_in_place_only_where_that_is_exact(device, ho
     assert fused.report.regions  # the read after the write is fused
 
 
+class RotaryCache(nn.Module):
+    """A decode step's cache write: the keys rotated (RoPE: cos, sin over the head dim), then written with
+    the values at `pos` (`cache[:, :, pos] = x`, an index_put each), the queries rotated beside them (more
+    tokens than keys: another shape), attention over the whole cache after."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.register_buffer("keys", torch.randn(2, 3, 37, 24).to(dtype))
+        self.register_buffer("values", torch.randn(2, 3, 37, 24).to(dtype))
+
+    def forward(self, q, k, v, pos, cos, sin):
+        def rotate(x):
+            return x * cos + torch.cat((-x[..., 12:], x[..., :12]), -1) * sin
+        self.keys[:, :, pos] = rotate(k)
+        self.values[:, :, pos] = v
+        scores = (torch.matmul(rotate(q), self.keys.transpose(-1, -2)) * 0.2).float().softmax(-1)
+        return torch.matmul(scores.to(q.dtype), self.values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_cache_is_written_by_the_kernel_that_makes_its_keys(device, dtype):
+    """The rotated keys and the values are stored into the cache at the new positions by the kernel that
+    rotates the keys and the queries (one launch, not a kernel and two index_put_), in place: no copy of
+    the cache, no copy back.  Positions negative (from the end, as eager) and at both ends; keys not
+    contiguous.  Outputs and the cache follow eager's over calls, against eager in fp64 rounded once (the
+    kernel rounds the rotation once, eager's fp16 at every op)."""
+    torch.manual_seed(0)
+    m, ref = RotaryCache(dtype).to(device), RotaryCache(torch.float64).to(device)
+    ref.load_state_dict({name: t.double() for name, t in m.state_dict().items()})
+    fused = fuser.fuse(m, dynamic=False)
+    cos, sin = torch.randn(24, device=device, dtype=dtype), torch.randn(24, device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in ([5, -2], [0, 36], [36, 11]):
+            q = torch.randn(2, 3, 4, 24, device=device, dtype=dtype)
+            k = torch.randn(2, 2, 3, 24, device=device, dtype=dtype).transpose(1, 2)
+            v = torch.randn(2, 3, 2, 24, device=device, dtype=dtype)
+            pos = torch.tensor(p, device=device)
+            want = ref(*(t.double() for t in (q, k, v)), pos, cos.double(), sin.double())
+            assert_close_to_eager(fused(q, k, v, pos, cos, sin), want.to(dtype))
+            assert_close_to_eager(m.keys, ref.keys.to(dtype))
+            assert_close_to_eager(m.values, ref.values.to(dtype))
+    code, report = fused.code, fused.report
+    assert report.fallback is None and "index_put" not in code and "copy_" not in code, code
+    (region,) = [r for r in report.regions if "aten.index_put.default" in r.ops]
+    assert region.ops.count("aten.index_put.default") == 2 and "aten.neg.default" in region.ops, report
+    assert region.source.count("in place, at its indexed positions") == 2, region.source  # its header: k and v
+
+
+def test_a_cache_write_out_of_range_raises(device):
+    """An index past the cache raises, as eager's does (on CPU: the kernel flags it; on the GPU a
+    device-side assert, as eager's, ends the process, so not tested there)."""
+    if device != "cpu":
+        pytest.skip("CUDA: eager and fuser both stop on a device-side assert, which ends the process")
+    torch.manual_seed(0)
+    m = RotaryCache(torch.float32)
+    fused = fuser.fuse(m, dynamic=False)
+    cos, sin = torch.randn(24), torch.randn(24)
+    q, k, v = torch.randn(2, 3, 4, 24), torch.randn(2, 3, 2, 24), torch.randn(2, 3, 2, 24)
+    with torch.no_grad():
+        fused(q, k, v, torch.tensor([1, 2]), cos, sin)
+        assert any("aten.index_put.default" in r.ops for r in fused.report.regions), fused.report
+        for bad in ([37, 1], [2, -38]):
+            with pytest.raises((RuntimeError, IndexError), match="out of bounds"):
+                m(q, k, v, torch.tensor(bad), cos, sin)
+            with pytest.raises(RuntimeError, match="index out of bounds for dimension 2 with size 37"):
+                fused(q, k, v, torch.tensor(bad), cos, sin)
+
+
 class StaticLayer(torch.nn.Module):
     """transformers 5.x's StaticCache layer: new keys written at `arange(n) + length`, a 0-d buffer the call
     advances; `read_after`: the length is read again after it was advanced (by the returned sum)."""
