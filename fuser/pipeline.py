@@ -28,7 +28,7 @@ from .gqa import share_kv_heads
 from .padding import pad_matmuls
 from .split import split_column_sums, split_whole_sums, unroll_small_sums
 from .graph import ComputeGraph, fake_mode_of, meta, replaced, shape
-from .runtime import AttentionKernel, RegionKernel, fast_calls, lists_cache, run_attention, write_inputs_in_place
+from .runtime import AttentionKernel, RegionKernel, batch_in_place, fast_calls, lists_cache, run_attention, write_inputs_in_place
 from .partition import Partitioner
 from .report import FusionReport, RegionReport, Unfused
 from .rewrite import Unbound, bind_sizes, rewrite
@@ -137,6 +137,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     new = rewrite(gm, units, kernels, bound) if units else gm
     if units:  # on the final order of the calls; then the eager calls through torch's bindings (last:
         written = write_inputs_in_place(new.graph)  # the targets are no longer OpOverloads)
+        batched = batch_in_place(new.graph)
         fast_calls(new.graph)
         new.recompile()
         if new.in_place:
@@ -145,6 +146,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         if written:
             report.unfused = [u for u in report.unfused if u.node not in written]
             report.notes.append(f"{len(written)} mutated inputs written in place (no copy of the input, no copy back)")
+        if batched:
+            report.notes.append(f"{len(batched)} in-place updates of mutated inputs in one foreach launch: {', '.join(batched)}")
     elif fast_calls(new.graph):  # a graph with no region still calls its eager ops (and ours) the short way
         new.recompile()
     report.code.append(new.code)

@@ -1201,6 +1201,43 @@ def updated_in_place(new):
     return _in_place_op(new) if numbers else None
 
 
+# in-place pointwise ops on a number -> the foreach op that runs a list of them as one launch
+_FOREACH = {aten.add_.Tensor: torch._foreach_add_, aten.add_.Scalar: torch._foreach_add_,
+            aten.mul_.Tensor: torch._foreach_mul_, aten.mul_.Scalar: torch._foreach_mul_,
+            aten.sub_.Tensor: torch._foreach_sub_, aten.sub_.Scalar: torch._foreach_sub_,
+            aten.div_.Tensor: torch._foreach_div_, aten.div_.Scalar: torch._foreach_div_}
+
+
+def batch_in_place(graph) -> list[str]:
+    """Runs of the in-place updates write_inputs_in_place made, back to back where the copies were (a
+    decode step's `length.add_(1)` of every layer's cache: one launch each), as one foreach call
+    (`torch._foreach_add_(tensors, numbers)`: one multi-tensor kernel per device and dtype).  Only ops
+    whose other operand is a number (no alpha), on distinct tensors, whose results nothing reads.
+    Returns the names of the ops batched."""
+    done, run = [], []
+
+    def flush():
+        if len(run) > 1:
+            with graph.inserting_before(run[0]):
+                graph.call_function(_FOREACH[run[0].target], ([n.args[0] for n in run], [n.args[1] for n in run]))
+            done.extend(n.name for n in run)
+            for n in run:
+                graph.erase_node(n)
+        run.clear()
+
+    for n in list(graph.nodes):
+        ok = n.op == "call_function" and n.target in _FOREACH and len(n.args) == 2 and not n.kwargs \
+            and isinstance(n.args[1], (int, float)) and not isinstance(n.args[1], bool) and not n.users \
+            and isinstance(n.args[0], torch.fx.Node)
+        if run and not (ok and _FOREACH[n.target] is _FOREACH[run[0].target]
+                        and all(m.args[0] is not n.args[0] for m in run)):
+            flush()
+        if ok:
+            run.append(n)
+    flush()
+    return done
+
+
 def _accumulates(n) -> bool:
     return n.target is aten.index_put.default and bool(n.kwargs.get("accumulate", n.args[3] if len(n.args) > 3 else False))
 

@@ -535,6 +535,27 @@ class StaticLayer(torch.nn.Module):
         return out * self.length if self.read_after else out
 
 
+def test_counters_advanced_in_place_share_one_launch(device):
+    """Every layer's cache advances its own length (`length.add_(n)`, run in place where AOT's copy back
+    was): the adds, back to back at the graph's end, run as one foreach call (one multi-tensor launch, not
+    one a layer).  Lengths and caches follow eager's over calls."""
+    torch.manual_seed(0)
+    m, ref = nn.Sequential(StaticLayer(), StaticLayer()).to(device), nn.Sequential(StaticLayer(), StaticLayer()).to(device)
+    ref.load_state_dict(m.state_dict())
+    fused = fuser.fuse(lambda k: m[1](m[0](k)[..., None, :].expand(2, 3, 2, 8)), dynamic=False)
+    with torch.no_grad():
+        for _ in range(3):
+            k = torch.randn(2, 3, 2, 8, device=device)
+            assert_close_to_eager(fused(k), ref[1](ref[0](k)[..., None, :].expand(2, 3, 2, 8)))
+            for a, b in zip(m, ref):
+                assert_close_to_eager(a.keys, b.keys)
+                assert int(a.length) == int(b.length)
+    code = fused.code
+    assert fused.report.fallback is None, fused.report.fallback
+    assert code.count("_foreach_add_(") == 1 and "add_.Tensor" not in code, code
+    assert any("2 in-place updates of mutated inputs in one foreach launch" in n for n in fused.report.notes)
+
+
 @pytest.mark.parametrize("read_after, dynamic", [(False, False), (True, False), (False, True)],
                          ids=["", "read_after", "dynamic"])
 def test_a_counter_advanced_in_place_is_written_last(device, read_after, dynamic):
