@@ -286,6 +286,8 @@ class KernelWriter:
         iv = self.value(index, index_idx, cond)
         if interpreting():  # an index loaded as a scalar (a [1, 1] tensor of token ids): the interpreter's
             iv = self.new(f"tl.where(xmask, {iv}, {iv})", self.dtypes[iv])  # 0-d bools are int32, no load mask
+        if self.wide and self.dtypes[iv] != torch.int64:  # an int32 index times a stride may pass 2**31
+            iv = self.new(f"{iv}.to(tl.int64)", torch.int64)
         return iv
 
     def _index_symbol(self, iv: str, size):

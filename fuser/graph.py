@@ -287,6 +287,8 @@ class ComputeGraph:
         if dst.op != "placeholder" or len(others) != 1 or others[0].target is not aten.copy_.default \
                 or others[0].args[1] is not n:
             return "index_put into a tensor read elsewhere in the graph: eager's (in place where nothing reads it after)"
+        if torch.are_deterministic_algorithms_enabled():
+            return "index_put under torch.use_deterministic_algorithms: eager's (repeated indices written in order)"
         v, into, x = meta(values), meta(dst), meta(n)
         if not all(static_shape(t) for t in (v, into, meta(index))) or x.stride() != into.stride() \
                 or v.dtype != into.dtype or ix.broadcast_shapes(_scattered(n, d), shape(values)) != _scattered(n, d):

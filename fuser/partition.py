@@ -99,7 +99,12 @@ class Partitioner:
 
     def region(self, nodes, rid=0) -> Region | None:
         space = analyze(self.cg, list(nodes), self.widest)
-        return None if space is None else Region(self.cg, list(nodes), space, rid)
+        if space is None:
+            return None
+        region = Region(self.cg, list(nodes), space, rid)
+        if region.size_symbols and any(isinstance(self.cg.info[n], ops.Scatter) for n in region.nodes):
+            return None  # the wrapper hands a scatter its input as the output buffer where sizes are static only
+        return region
 
     def cost(self, region: Region) -> Cost:
         """The region's cost; that of a region partition() returns is kept for the pipeline to hand on."""
@@ -247,8 +252,11 @@ class Partitioner:
             inputs = {x for n in nodes for x in self.cg.data_inputs(n)
                       if x not in nodes and (on_cpu or not cpu_scalar(meta(x)))}
             producers = {self.group[x] for x in inputs if x in self.group}
+            # a group reading this one is no sibling: joined, it would recompute this group's output per element
+            consumers = {self.group.get(c) for n in nodes for c in self.cg.consumers(n)}
             near = inputs | {m for p in producers for m in self.members.get(p, ())}
-            siblings = sorted({self.group.get(c) for x in near for c in self.cg.consumers(x)} - {gid, None} - producers)
+            siblings = sorted({self.group.get(c) for x in near for c in self.cg.consumers(x)} - {gid, None}
+                              - producers - consumers)
             for other in siblings:
                 theirs = self.members.get(other)
                 if theirs is None or theirs & self.apart or _placed(theirs) != _placed(nodes) \

@@ -1204,8 +1204,8 @@ def updated_in_place(new):
 # in-place pointwise ops on a number -> the foreach op that runs a list of them as one launch
 _FOREACH = {aten.add_.Tensor: torch._foreach_add_, aten.add_.Scalar: torch._foreach_add_,
             aten.mul_.Tensor: torch._foreach_mul_, aten.mul_.Scalar: torch._foreach_mul_,
-            aten.sub_.Tensor: torch._foreach_sub_, aten.sub_.Scalar: torch._foreach_sub_,
-            aten.div_.Tensor: torch._foreach_div_, aten.div_.Scalar: torch._foreach_div_}
+            aten.sub_.Tensor: torch._foreach_sub_, aten.sub_.Scalar: torch._foreach_sub_}
+# not div_: eager's CUDA kernel multiplies by the number's reciprocal, the foreach one divides (an ulp apart)
 
 
 def batch_in_place(graph) -> list[str]:

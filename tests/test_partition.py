@@ -620,3 +620,41 @@ def test_a_counter_beside_its_readers_stays_an_in_place_op(device):
     assert region.output_shapes == ["[1] int64", f"[2, 3, 37] {keys.dtype}".replace("torch.", "")], report
     assert [u.op for u in report.unfused] == ["aten.add.Tensor"], report
     assert "in place" in report.unfused[0].reason
+
+
+def test_a_consumer_is_no_sibling_of_its_producer(device):
+    """`a` and its broadcast consumer `b` both read x: as siblings they would share a kernel that recomputes `a`
+    for every element of `b` (4x here); producer and consumer keep a kernel each, as node-by-node merges do."""
+    def f(x, y):
+        a = (x * 2).exp()
+        return a, a.unsqueeze(1) + y * x.unsqueeze(1)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(7, 33, device=device), torch.randn(7, 4, 33, device=device)
+    fused = fuser.fuse(f)
+    assert_close_to_eager(fused(x, y), f(x, y))
+    assert len(fused.report.regions) == 2 and all(len(r.output_shapes) == 1 for r in fused.report.regions), fused.report
+
+
+def test_a_wide_scatter_indexes_in_64_bits():
+    """A cache past 2**31 elements written at an int32 position: the kernel widens the loaded index before it
+    multiplies it by the row's stride (an int32 product would store outside the cache).  Codegen only, on fake
+    tensors (no memory)."""
+    from codegen.kernel import generate
+    from fuser.plan import TensorSig
+
+    def f(cache, pos, k):
+        cache.index_put_((pos,), k + 1)
+        return k * 2
+
+    with FakeTensorMode():
+        args = (torch.empty(70000, 32768, dtype=torch.int8), torch.empty(1, dtype=torch.int32),
+                torch.empty(1, 32768, dtype=torch.int8))
+        gm = make_fx(torch.func.functionalize(f, remove="mutations"), decomposition_table=decompositions())(*args)
+    part = Partitioner(gm.graph)
+    (region,) = part.partition()
+    assert "index_put" in names(region)
+    sigs = lambda nodes: [TensorSig.of(n.meta["val"]) for n in nodes]  # noqa: E731
+    src = generate(region, sigs(region.inputs), sigs(region.outputs), device_type="cuda", name="k", persistent=True,
+                   wide=True, cost=part.cost(region)).source
+    assert ".to(tl.int64)" in src and "* 32768), " in src, src

@@ -497,6 +497,52 @@ def test_a_cache_is_written_by_the_kernel_that_makes_its_keys(device, dtype):
     assert region.source.count("in place, at its indexed positions") == 2, region.source  # its header: k and v
 
 
+def test_a_cache_write_beside_symbolic_sizes_keeps_the_graph_fused(device):
+    """A cache write (static sizes) beside work over a length that varies: a kernel over symbolic sizes allocates
+    its own outputs, so the write keeps a kernel of its own, over static sizes, apart from the symbolic one (not
+    a fallback of the whole graph); cache and output follow eager's over lengths."""
+    def f(cache, pos, k, w):
+        cache[:, pos] = k * 2
+        return (w * k).exp()
+
+    torch.manual_seed(0)
+    mine = torch.randn(3, 10, 4, device=device)
+    theirs = mine.clone()
+    compiled = torch.compile(f, backend="fuser")
+    k, pos = torch.randn(3, 2, 4, device=device), torch.tensor([1, 7], device=device)
+    before = len(fuser.reports())
+    for t in (7, 9, 11):
+        w = torch.randn(t, 3, 2, 4, device=device)
+        assert_close_to_eager(compiled(mine, pos, k, w), f(theirs, pos, k, w))
+        assert_close_to_eager(mine, theirs)
+    reports = fuser.reports()[before:]
+    assert reports and not [r.all_fallbacks for r in reports if r.all_fallbacks], reports
+    (last,) = [r for r in reports if any(x.symbolic for x in r.regions)]
+    assert [("aten.index_put.default" in x.ops, x.symbolic) for x in last.regions] == [(True, False), (False, True)], last
+
+
+def test_a_cache_write_stays_eager_under_deterministic_algorithms(device):
+    """Repeated positions: eager's deterministic index_put writes them in order, our kernel's lanes in no order;
+    under torch.use_deterministic_algorithms the write stays eager's, with the reason."""
+    torch.manual_seed(0)
+    m, ref = RotaryCache(torch.float32).to(device), RotaryCache(torch.float32).to(device)
+    ref.load_state_dict(m.state_dict())
+    cos, sin = torch.randn(24, device=device), torch.randn(24, device=device)
+    q, k, v = torch.randn(2, 3, 4, 24, device=device), torch.randn(2, 3, 2, 24, device=device), torch.randn(2, 3, 2, 24, device=device)
+    pos = torch.tensor([4, 4], device=device)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        fused = fuser.fuse(m, dynamic=False)
+        with torch.no_grad():
+            assert_close_to_eager(fused(q, k, v, pos, cos, sin), ref(q, k, v, pos, cos, sin))
+            assert_close_to_eager(m.keys, ref.keys)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert not any("aten.index_put.default" in r.ops for r in fused.report.regions), fused.report
+    assert any("deterministic" in u.reason for u in fused.report.unfused if "index_put" in u.op), fused.report
+
+
 def test_a_cache_write_out_of_range_raises(device):
     """An index past the cache raises, as eager's does (on CPU: the kernel flags it; on the GPU a
     device-side assert, as eager's, ends the process, so not tested there)."""
