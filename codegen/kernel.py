@@ -266,16 +266,21 @@ class KernelWriter:
         syms, valid = {}, []
         for dim, index in given:
             iv = self._load_index(index, ix.broadcast_index(out_b, b_shape, shape(index)), cond)
-            size = ix.texpr(shape(src)[dim])
-            ok = f"({iv} >= -{size}) & ({iv} < {size})"
-            self._check(ops.Check(ok, f"index out of bounds for dimension {dim} with size {shape(src)[dim]}"), cond)
-            iv = self.new(f"tl.where({iv} < 0, {iv} + {size}, {iv})", self.dtypes[iv])
-            valid.append(f"({iv} >= 0) & ({iv} < {size})")
+            iv, _ = self._from_end(iv, shape(src)[dim], dim, cond, "index")
+            valid.append(f"({iv} >= 0) & ({iv} < {ix.texpr(shape(src)[dim])})")
             syms[dim] = self._index_symbol(iv, shape(src)[dim])
         src_idx = tuple(syms[d] if d in syms else next(rest) for d in range(len(shape(src))))
         inside = " & ".join(valid)
         v = self.value(src, src_idx, f"({cond}) & {inside}" if cond else inside)
         return self._as_computed(n, v)
+
+    def _from_end(self, iv: str, size, dim: int, cond, what: str) -> tuple[str, str]:
+        """A loaded index taken from the end where negative, as eager; out of [-size, size) it raises
+        (`what` names the op in the message).  Returns (the index in [0, size), the in-range test of iv)."""
+        n = ix.texpr(size)
+        ok = f"({iv} >= -{n}) & ({iv} < {n})"
+        self._check(ops.Check(ok, f"{what} out of bounds for dimension {dim} with size {size}"), cond)
+        return self.new(f"tl.where({iv} < 0, {iv} + {n}, {iv})", self.dtypes[iv]), ok
 
     def _as_computed(self, n, v: str) -> str:
         """Value `v`, read for layout op `n`, in the dtype n's value is computed in."""
@@ -573,11 +578,8 @@ class KernelWriter:
         d = self.cg.info[o].dim
         index, values, sig = o.args[1][d], o.args[2], self.out_sig[o]
         span = len(shape(index))
-        iv = self._load_index(index, tuple(idx[d:d + span]), cond)
-        size = ix.texpr(shape(o)[d])
-        ok = f"({iv} >= -{size}) & ({iv} < {size})"
-        self._check(ops.Check(ok, f"index_put: index out of bounds for dimension {d} with size {shape(o)[d]}"), cond)
-        iv = self.new(f"tl.where({iv} < 0, {iv} + {size}, {iv})", self.dtypes[iv])
+        iv, ok = self._from_end(self._load_index(index, tuple(idx[d:d + span]), cond), shape(o)[d], d, cond,
+                                "index_put: index")
         at = (*idx[:d], sympy.Integer(0), *idx[d + span:])
         addr = sum((i * st for i, st, n in zip(at, sig.stride, sig.shape) if n != 1), sympy.Integer(0))
         addr = f"{ix.texpr(ix.combine(addr, self.ranges))} + {iv} * {ix.texpr(sig.stride[d])}"

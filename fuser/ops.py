@@ -942,8 +942,14 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     return Opaque(f"no Triton lowering for {target}")
 
 
+def accumulates(node) -> bool:
+    """index_put with accumulate=True: repeated indices add up."""
+    return node.target is aten.index_put.default and bool(
+        node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False))
+
+
 def _scatter(node) -> Scatter | Opaque:
-    if node.target is not aten.index_put.default or node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False):
+    if node.target is not aten.index_put.default or accumulates(node):
         return Opaque("index_put with accumulate: left to eager (repeated indices add up)")
     given = [(d, t) for d, t in enumerate(node.args[1]) if t is not None]
     values = node.args[2]

@@ -1154,7 +1154,7 @@ def write_inputs_in_place(graph) -> list[str]:
             done.append(c.name)
             graph.erase_node(c)
             continue
-        if new.target not in _IN_PLACE or _accumulates(new):
+        if new.target not in _IN_PLACE or ops.accumulates(new):
             continue
         views = {dst}
         for n in nodes[pos[dst] + 1:]:
@@ -1236,10 +1236,6 @@ def batch_in_place(graph) -> list[str]:
             run.append(n)
     flush()
     return done
-
-
-def _accumulates(n) -> bool:
-    return n.target is aten.index_put.default and bool(n.kwargs.get("accumulate", n.args[3] if len(n.args) > 3 else False))
 
 
 def _same_layout(a, b) -> bool:
