@@ -86,7 +86,8 @@ def {KERNEL}(LOGITS, stride, TARGET, LOSS, LSE, SCALE, V, ignore_index, label_sm
     x_target = tl.load(base + target, mask=kept & (target >= 0) & (target < V), other=0.0).to(tl.float32)
     # (1 - ls) * (lse - x_t) + ls * (lse - total / V): nll plus the smoothing term, as eager weighs them
     loss = lse - (1.0 - label_smoothing) * x_target - label_smoothing * total / V
-    tl.store(LOSS + row, tl.where(kept, loss, 0.0))
+    # stored times the reduction's factor, so that the loss is their sum (one op; inf * 0 = NaN with no row kept)
+    tl.store(LOSS + row, tl.where(kept, loss, 0.0) * scale)
     tl.store(LSE + row, lse)
 
     if WRITE_GRAD:  # pass 2: the gradient, in place
@@ -131,10 +132,11 @@ def {GRAD_KERNEL}(LOGITS, stride, UPSTREAM, up_stride, OUT, out_stride, TARGET, 
 
 
 @triton.jit
-def {TARGETS_KERNEL}(TARGET, stride, N, V, ignore_index, KEPT, SCALE, OK, MEAN: tl.constexpr, BLOCK: tl.constexpr):
-    # one program over all N targets: the rows kept (target != ignore_index), the reduction's factor on the
-    # gradient (1 / max(kept, 1) for "mean", else 1) and whether every kept target lies in [0, V); one
-    # launch where torch's ops took a dozen (a comparison, a sum, a clamp... each its own kernel)
+def {TARGETS_KERNEL}(TARGET, stride, N, V, ignore_index, SCALE, OK, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    # one program over all N targets: the reduction's factor on the losses and the gradient (1 / the rows
+    # kept, target != ignore_index, for "mean": inf with none kept, whose loss is then NaN as eager's 0 / 0; else
+    # 1) and whether every kept target lies in [0, V); one launch where torch's ops took a dozen (a
+    # comparison, a sum, a division... each its own kernel)
     offs = tl.arange(0, BLOCK)
     kept = tl.zeros([BLOCK], tl.int64)
     bad = tl.zeros([BLOCK], tl.int32)
@@ -145,9 +147,8 @@ def {TARGETS_KERNEL}(TARGET, stride, N, V, ignore_index, KEPT, SCALE, OK, MEAN: 
         kept += k.to(tl.int64)
         bad += (k & ((t < 0) | (t >= V))).to(tl.int32)
     n = tl.sum(kept, 0)
-    tl.store(KEPT, n)
     if MEAN:
-        tl.store(SCALE, 1.0 / tl.maximum(n, 1).to(tl.float32))
+        tl.store(SCALE, 1.0 / n.to(tl.float32))
     else:
         tl.store(SCALE, 1.0)
     tl.store(OK, tl.sum(bad, 0) == 0)
@@ -175,8 +176,8 @@ def prepare(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse:
             ignore_index: int, label_smoothing: float, scale: torch.Tensor, write_grad: bool = True):
     """Host side of `cross_entropy_rows` over a chunk: (grid, args, meta).  logits: [rows, V] of unit column
     stride, made the gradient in place where `write_grad`; target: [rows] int64; loss, lse: [rows] fp32, written
-    (the loss 0 in ignored rows).  `scale`: a 0-d fp32 tensor on the logits' device, the reduction's
-    factor on the gradient (1 / kept rows over the whole batch for "mean")."""
+    (the loss 0 in ignored rows), each row's loss times `scale`: a 0-d fp32 tensor on the logits' device, the
+    reduction's factor on the losses and the gradient (1 / kept rows over the whole batch for "mean")."""
     meta = _checked(logits, target, loss, scale, logits.shape[1])
     args = (logits, logits.stride(0), target, loss, lse, scale, logits.shape[1], int(ignore_index), float(label_smoothing))
     return (logits.shape[0],), args, dict(meta, WRITE_GRAD=write_grad)
@@ -204,12 +205,11 @@ def prepare_grad(logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, 
     return (logits.shape[0],), args, dict(meta, HAS_UPSTREAM=upstream is not None, CHECK=row_sums is not None)
 
 
-def prepare_targets(target: torch.Tensor, n_classes: int, ignore_index: int, kept: torch.Tensor, scale: torch.Tensor,
-                    ok: torch.Tensor, *, mean: bool):
+def prepare_targets(target: torch.Tensor, n_classes: int, ignore_index: int, scale: torch.Tensor, ok: torch.Tensor, *,
+                    mean: bool):
     """Host side of `cross_entropy_targets`: target [N] int64, any stride (torch's contiguous() keeps a
-    one-row target's stride: `labels[:, -1]` of a batch of one); kept (0-d int64), scale (0-d fp32) and ok
-    (0-d bool) written."""
+    one-row target's stride: `labels[:, -1]` of a batch of one); scale (0-d fp32) and ok (0-d bool) written."""
     if target.dtype != torch.int64 or target.dim() != 1:
         raise ValueError("cross_entropy_targets: wants [N] int64 targets")
-    args = (target, target.stride(0), target.shape[0], n_classes, int(ignore_index), kept, scale, ok)
+    args = (target, target.stride(0), target.shape[0], n_classes, int(ignore_index), scale, ok)
     return (1,), args, dict(MEAN=mean, BLOCK=1024 if target.is_cuda else 256, num_warps=4)

@@ -29,7 +29,7 @@ from fuser.codegen.cross_entropy import GRAD_KERNEL, KERNEL, TARGETS_KERNEL, pre
 
 from . import dtypes
 from .plan import next_pow2
-from .runtime import call_directly, launch
+from .runtime import call_directly, launch, launch_sequence
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -88,17 +88,18 @@ def _check(x, weight, bias, target, label_smoothing: float, reduction: str, chun
         raise ValueError(f"linear_cross_entropy: chunk_rows={chunk_rows}, want at least 1 (or None: the rule)")
 
 
-def _scale_of(t: torch.Tensor, n_classes: int, ignore_index: int, reduction: str,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows whose target is not ignore_index over all N rows, the reduction's factor on the gradient: 1 / those
-    rows for "mean", else 1), both 0-d on the device: no host sync; one kernel (cross_entropy_targets).  A kept
-    target outside [0, V) raises, as eager does: on CPU an IndexError before any other kernel runs; on CUDA,
-    like eager's nll_loss, a device-side assert (asynchronous: waiting for the check would stall the step).
-    `dtype`: the logits' (the kernel shares their source module)."""
-    n_kept, scale = t.new_empty((), dtype=torch.int64), t.new_empty((), dtype=torch.float32)
-    ok = t.new_empty((), dtype=torch.bool)
-    grid, args, meta = prepare_targets(t, n_classes, ignore_index, n_kept, scale, ok, mean=reduction == "mean")
-    launch(_source(dtype, t.device.type), TARGETS_KERNEL, grid, args, meta, t.device.type)
+def _scale_of(t: torch.Tensor, n_classes: int, ignore_index: int, reduction: str, dtype: torch.dtype) -> torch.Tensor:
+    """The reduction's factor on the rows' losses and the gradient, 0-d fp32 on the device (1 / the rows whose
+    target is not ignore_index for "mean": inf with none kept; else 1): no host sync; one kernel
+    (cross_entropy_targets).  A kept target outside [0, V) raises, as eager does: on CPU an IndexError before
+    any other kernel runs; on CUDA, like eager's nll_loss, a device-side assert (asynchronous: waiting for the
+    check would stall the step).  `dtype`: the logits' (the kernel shares their source module)."""
+    scale, ok = t.new_empty((), dtype=torch.float32), t.new_empty((), dtype=torch.bool)
+    mean = reduction == "mean"
+    device = t.device.type
+    source = _source(dtype, device)
+    launch_sequence(source, [(TARGETS_KERNEL, *prepare_targets(t, n_classes, ignore_index, scale, ok, mean=mean))],
+                    device, (TARGETS_KERNEL, source, t.stride(0), t.shape[0], n_classes, ignore_index, mean, t.device))
     if t.is_cuda:
         torch._assert_async(ok, f"linear_cross_entropy: a target is out of bounds for {n_classes} classes")
     elif not ok:
@@ -106,12 +107,25 @@ def _scale_of(t: torch.Tensor, n_classes: int, ignore_index: int, reduction: str
         bad = kept & ((t < 0) | (t >= n_classes))
         raise IndexError(f"linear_cross_entropy: target {int(t[bad][0])} is out of bounds for {n_classes} "
                          f"classes ({int(bad.sum())} such row(s); ignore_index is {ignore_index})")
-    return n_kept, scale
+    return scale
 
 
-def _total(row_loss: torch.Tensor, n_kept: torch.Tensor, reduction: str) -> torch.Tensor:
-    loss = row_loss.sum()
-    return loss / n_kept if reduction == "mean" else loss  # 0 / 0 = NaN with every row ignored, as eager gives
+def _rows(logits, t, row_loss, lse, ce: dict, write_grad: bool = True) -> None:
+    """cross_entropy_rows over `logits` (codegen/cross_entropy.prepare), its launch bound once per layout (the
+    key fixes the launch's meta and int arguments: the meta follows from the class count)."""
+    device = logits.device.type
+    source = _source(logits.dtype, device)
+    grid, args, meta = prepare(logits, t, row_loss, lse, **ce, write_grad=write_grad)
+    key = (KERNEL, source, logits.stride(0), logits.shape[1], ce["ignore_index"], write_grad, logits.device)
+    launch_sequence(source, [(KERNEL, grid, args, meta)], device, key)
+
+
+def _total(row_loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The loss: the sum of the rows' losses, each already times the reduction's factor (cross_entropy_rows);
+    with no rows, "mean" is NaN (0 / 0), as eager gives."""
+    if row_loss.numel() == 0 and reduction == "mean":
+        return row_loss.new_full((), float("nan"))
+    return row_loss.sum()
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,37 +201,42 @@ def linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     n_classes, dim = weight.shape
     x2, t = x.reshape(-1, dim), target.reshape(-1).contiguous()  # the matmuls take any strides
     n = x2.shape[0]
-    n_kept, scale = _scale_of(t, n_classes, ignore_index, reduction, x.dtype)
-    source = _source(x.dtype, x.device.type)
+    scale = _scale_of(t, n_classes, ignore_index, reduction, x.dtype)
     row_loss = x.new_empty(n, dtype=torch.float32)
     lse = x.new_empty(n, dtype=torch.float32)
     wp, bp = _padded(weight, bias)
     vp = wp.shape[0]
-    grad_x = x.new_empty(n, dim)
+    grad_x = x.new_empty(x.shape)
+    grad_x2 = grad_x.view(n, dim)
     grad_w = weight.new_empty(vp, dim)
     grad_b = weight.new_empty(vp if bias is not None else 0)
     step = chunk_rows or rows_per_chunk(n, n_classes, dim)
     ce = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, scale=scale)
     if n == 0:  # no rows: no gradient, as eager's (and a NaN "mean" below)
         grad_w.zero_(), grad_b.zero_()
-    # one buffer for every chunk's logits and every slice's: never two at once (run 58 found three
-    # [chunk, V] tensors live at the forward's peak when each matmul allocated its own)
-    buf, width = _buffer(x, n, step, vp)
-    for lo in range(0, n, step):
-        hi = min(lo + step, n)
-        xc = x2[lo:hi]
-        logits = _linear(xc, wp, bp, _view(buf, hi - lo, vp))  # the padded classes' logits: zeros
-        grid, args, meta = prepare(logits[:, :n_classes], t[lo:hi], row_loss[lo:hi], lse[lo:hi], **ce)
-        launch(source, KERNEL, grid, args, meta, x.device.type)
-        torch.mm(logits, wp, out=grad_x[lo:hi])  # logits now hold their gradient
-        if step >= n:  # one chunk: the whole gradient, written once in the weight's dtype
-            torch.mm(logits.t(), xc, out=grad_w)
-            if bias is not None:
-                grad_b.copy_(logits.sum(0, dtype=torch.float32))
-    if step < n:  # several: by slices of the vocabulary, each [N, width] no larger than a chunk's logits
+    elif step >= n:  # one chunk (a step's usual case): the whole gradient, written once in the weight's dtype;
+        # no slice or view of anything (each is a dispatcher call: host time in a host-bound step)
+        logits = _linear(x2, wp, bp, x.new_empty(n, vp))  # the padded classes' logits: zeros
+        _rows(logits if vp == n_classes else logits[:, :n_classes], t, row_loss, lse, ce)
+        torch.mm(logits, wp, out=grad_x2)  # logits now hold their gradient
+        torch.mm(logits.t(), x2, out=grad_w)
+        if bias is not None:
+            grad_b.copy_(logits.sum(0, dtype=torch.float32))
+    else:
+        # one buffer for every chunk's logits and every slice's: never two at once (run 58 found three
+        # [chunk, V] tensors live at the forward's peak when each matmul allocated its own)
+        buf, width = _buffer(x, n, step, vp)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            logits = _linear(x2[lo:hi], wp, bp, _view(buf, hi - lo, vp))
+            _rows(logits[:, :n_classes], t[lo:hi], row_loss[lo:hi], lse[lo:hi], ce)
+            torch.mm(logits, wp, out=grad_x2[lo:hi])
+        # the weight's gradient by slices of the vocabulary, each [N, width] no larger than a chunk's logits
         _weight_grads(x2, n_classes, t, lse, grad_w, grad_b if bias is not None else None, buf, width, ce,
                       lambda v0, v1, out: _linear(x2, wp[v0:v1], bp[v0:v1] if bias is not None else None, out))
-    return _total(row_loss, n_kept, reduction), grad_x.view(x.shape), grad_w[:n_classes], grad_b[:n_classes]
+    if vp != n_classes:
+        grad_w, grad_b = grad_w[:n_classes], grad_b[:n_classes] if bias is not None else grad_b
+    return _total(row_loss, reduction), grad_x, grad_w, grad_b
 
 
 @linear_cross_entropy_op.register_fake
@@ -267,17 +286,16 @@ def linear_cross_entropy_logits_op(x: torch.Tensor, weight: torch.Tensor, bias: 
     n_classes, dim = weight.shape
     x2, t = x.reshape(-1, dim), target.reshape(-1).contiguous()
     n = x2.shape[0]
-    n_kept, scale = _scale_of(t, n_classes, ignore_index, reduction, x.dtype)
+    scale = _scale_of(t, n_classes, ignore_index, reduction, x.dtype)
     wp, bp = _padded(weight, bias)
     if wp is weight:
         logits = _linear(x2, weight, bias, x.new_empty(n, n_classes))
     else:  # the padded matmul and a copy: faster than the matmul over an odd class count (_padded)
         logits = _linear(x2, wp, bp, x.new_empty(n, wp.shape[0]))[:, :n_classes].contiguous()
     row_loss, lse = x.new_empty(n, dtype=torch.float32), x.new_empty(n, dtype=torch.float32)
-    grid, args, meta = prepare(logits, t, row_loss, lse, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                               scale=scale, write_grad=False)
-    launch(_source(x.dtype, x.device.type), KERNEL, grid, args, meta, x.device.type)
-    return _total(row_loss, n_kept, reduction), logits.view(*x.shape[:-1], n_classes), lse, scale
+    _rows(logits, t, row_loss, lse, dict(ignore_index=ignore_index, label_smoothing=label_smoothing, scale=scale),
+          write_grad=False)
+    return _total(row_loss, reduction), logits.view(*x.shape[:-1], n_classes), lse, scale
 
 
 @linear_cross_entropy_logits_op.register_fake

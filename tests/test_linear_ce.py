@@ -150,6 +150,27 @@ def test_gradients_round_once(dtype, chunk_rows, device):
         torch.testing.assert_close(g, e, rtol=3 * eps, atol=3 * eps * 1e-3 * float(e.abs().max()), msg=f"grad {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_chunk_over_padded_classes(dtype, device):
+    """All rows in one chunk (the rule's choice here) over a class count cuBLAS wants padded (1531: to 1532 in
+    fp32, 1536 in fp16): the padded logits stay inside the op and the weight's and bias's gradients come out
+    [V, D] and [V]."""
+    assert rows_per_chunk(N, V, D) == N
+    x, w, b, t = _inputs(device, dtype)
+    _compare(x, w, t, b, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_no_rows(reduction, device):
+    """Eager over zero rows: "mean" is NaN (0 / 0), "sum" 0; every gradient is 0."""
+    x, w, b, t = _inputs(device, torch.float32, n=0, v=300)
+    (loss, grads), (loss_e, grads_e) = (_run(f, x, w, t, b, reduction=reduction) for f in (linear_cross_entropy, _eager))
+    torch.testing.assert_close(loss, loss_e, equal_nan=True, **tol(torch.float32))
+    assert bool(loss.isnan()) == (reduction == "mean")
+    for g, e in zip(grads, grads_e):
+        assert g.shape == e.shape and g.dtype == e.dtype and not g.any()
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_every_row_ignored(reduction, device):
     """Eager: "mean" divides 0 by 0 kept rows (NaN), "sum" gives 0; the gradients are 0 either way."""
