@@ -22,7 +22,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .pipeline import compile_graph
 from .pregrad import claim
-from .sdpa_calls import contiguous_masks, drop_keep_all_masks
+from .sdpa_calls import contiguous_masks, drop_constant_masks
 from .decompositions import decompositions
 from .fold import recompute_constants
 from .runtime import CudaGraphs, EagerCheckError, NotForTheseSizes, cuda_graph_refusal, static_inputs, write_over_donated
@@ -230,7 +230,7 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
         dropped: list[str] = []
         given = gm  # Dynamo's graph, what runs if AOT Autograd fails on the claimed one
         try:
-            dropped = drop_keep_all_masks(gm) + contiguous_masks(gm) if opts["attention"] is not False else []  # in place: `given` too
+            dropped = drop_constant_masks(gm) + contiguous_masks(gm) if opts["attention"] is not False else []  # in place: `given` too
             claimed[:] = dropped
             if opts["attention"] is True or opts["fused_loss"] or opts["dropout"]:
                 gm, notes = _claimed(gm, example_inputs, opts["attention"] is True, opts["fused_loss"], opts["dropout"])

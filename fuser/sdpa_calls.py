@@ -1,15 +1,18 @@
-"""SDPA calls in Dynamo's graph, made ready for AOT Autograd: masks that keep every key dropped, masks laid
-out for the fused kernels (contiguous_masks), and, for the trace before autograd (pregrad.py), the fused
-kernel eager would pick pinned where tracing with fake tensors would take SDPA's math path.
+"""SDPA calls in Dynamo's graph, made ready for AOT Autograd: masks known at compile time dropped (those that keep
+every key) or made `is_causal` (the causal one), masks laid out for the fused kernels (contiguous_masks), and,
+for the trace before autograd (pregrad.py), the fused kernel eager would pick pinned where tracing with fake
+tensors would take SDPA's math path.
 
 The first and the last matter for the same calls: transformers (5.17, under compile) passes ViT's attention an all-keep mask
-built from aranges (`q_index >= 0`, expanded); with a mask SDPA runs its memory-efficient kernel at best,
-and a mask also keeps the pin off.  A mask is dropped only where its value is known at compile time: made
-from no graph input (sizes static, no random op), evaluated once on real tensors, every element True
-(boolean) or 0 (additive).  A mask that depends on a size that varies or on an input stays, as does one
-written in place (Dynamo's graph is not functional: a write does not show among the mask's inputs), one
-made under autocast switched inside the graph, one that widens the output by broadcasting (eager raises
-there), and an `is_causal` call's (eager raises there)."""
+built from aranges (`q_index >= 0`, expanded), and causal LMs a causal one (`kv_index <= q_index`, and the
+packed-sequence check of their positions); with a mask SDPA runs its memory-efficient kernel at best, over
+every tile, and a mask also keeps the pin off.  A mask is dropped only where its value is known at compile
+time: made from no graph input (sizes static, no random op), evaluated once on real tensors, every element
+True (boolean) or 0 (additive), or exactly `ones(L, S).tril()` over every batch and head (boolean, or 0 and
+-inf or a float's lowest): then the call is made is_causal.  A mask that depends on a size that varies or on
+an input stays, as does one written in place (Dynamo's graph is not functional: a write does not show among
+the mask's inputs), one made under autocast switched inside the graph, one that widens the output by
+broadcasting (eager raises there), and an `is_causal` call's (eager raises there)."""
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +40,7 @@ def is_sdpa_call(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target in _SDPA_CALLS
 
 
-# ------------------------------------------------------------------------------------ masks that keep every key
+# ------------------------------------------------------------------------------------ masks known at compile time
 def _arg(n: fx.Node, i: int, name: str, default=None):
     return n.kwargs[name] if name in n.kwargs else n.args[i] if len(n.args) > i else default
 
@@ -61,7 +64,11 @@ def _writes(n: fx.Node) -> list:
     if n.op != "call_function":
         return []
     t = n.target
-    if t in _IN_PLACE or getattr(t, "__name__", "").endswith("_") \
+    if t in _IN_PLACE:
+        return n.args[:1]
+    if getattr(t, "__module__", None) in ("_operator", "operator"):
+        return []  # and_, or_, not_: named with a trailing _ (a keyword's), not in place
+    if getattr(t, "__name__", "").endswith("_") \
             or (isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable):
         return n.args[:1]
     return [n.kwargs["out"]] if "out" in n.kwargs else []
@@ -157,6 +164,35 @@ def _keeps_every_key(value: torch.Tensor) -> bool:
     return value.is_floating_point() and bool((value == 0).all())
 
 
+_MASKED_BELOW = -1e30  # an additive mask's masked value: -inf, or a float's lowest (bf16's, fp32's; not fp16's -65504,
+# which a score near fp16's largest would outweigh, where is_causal's -inf never is)
+
+
+def _causal(value: torch.Tensor, queries: int, keys: int) -> bool:
+    """Whether the mask, broadcast over the call's scores [..., queries, keys], is SDPA's `is_causal` one in every
+    batch and head: key j kept for query i exactly where j <= i (top-left, `ones(L, S).tril()`); boolean, or
+    additive with 0 where kept and -inf (or a float's lowest, _MASKED_BELOW) where not."""
+    if queries == 0 or keys == 0 or value.dim() < 2 or value.shape[-1] not in (1, keys) or value.shape[-2] not in (1, queries):
+        return False
+    tril = torch.ones(queries, keys, dtype=torch.bool, device=value.device).tril()
+    if value.dtype == torch.bool:
+        keep = value
+    elif value.is_floating_point():
+        keep = value == 0
+        if not bool((keep | (value <= _MASKED_BELOW)).all()):
+            return False
+    else:
+        return False
+    return bool((keep == tril).all())
+
+
+def _set_causal(call: fx.Node) -> None:
+    if len(call.args) > 5:
+        call.update_arg(5, True)
+    else:
+        call.update_kwarg("is_causal", True)
+
+
 def _erase_unused(node: fx.Node) -> None:
     """`node` and what only it read, where nothing reads them now."""
     stack = [node]
@@ -169,29 +205,44 @@ def _erase_unused(node: fx.Node) -> None:
         stack.extend(inputs)
 
 
-def drop_keep_all_masks(gm: fx.GraphModule) -> list[str]:
-    """Each SDPA call's mask dropped where it keeps every key (module docstring); notes for the report."""
+def drop_constant_masks(gm: fx.GraphModule) -> list[str]:
+    """Each SDPA call's mask made from constants (module docstring) dropped where it keeps every key, and made
+    `is_causal=True` where it is the causal mask (transformers builds causal LMs' masks from aranges under compile,
+    5.17: SDPA given the mask runs its masked kernels over every tile; is_causal skips the tiles above the
+    diagonal); notes for the report."""
     calls = list(_masked_calls(gm))
     if not calls or any("autocast" in getattr(n.target, "__name__", "") for n in gm.graph.nodes):
         return []  # a mask made under autocast switched inside the graph would be evaluated without it
-    dropped, written = 0, _written(gm.graph)
+    dropped, causal, written = 0, 0, _written(gm.graph)
     for n, mask in calls:
         try:
             nodes = _droppable(n, mask, written)
             value = None if nodes is None else _value(gm, nodes)
-            if value is None or not _keeps_every_key(value):
+            if value is None:
+                continue
+            q, k = (_arg(n, i, name).meta["example_value"] for i, name in ((0, "query"), (1, "key")))
+            if _keeps_every_key(value):
+                dropped += 1
+            elif _causal(value, q.shape[-2], k.shape[-2]):
+                _set_causal(n)
+                causal += 1
+            else:
                 continue
         except Exception as e:  # noqa: BLE001 - a mask we cannot reason about is kept, the graph compiled
             log.debug("fuser: SDPA mask %s kept: %s: %s", mask.name, type(e).__name__, e)
             continue
         _set_mask(n, None)
         _erase_unused(mask)
-        dropped += 1
-    if not dropped:
-        return []
-    gm.recompile()
-    return [f"attention masks that keep every key dropped: {dropped} SDPA call(s) had a mask made from constants "
-            "that masks nothing (they run SDPA's unmasked kernels)"]
+    notes = []
+    if dropped:
+        notes.append(f"attention masks that keep every key dropped: {dropped} SDPA call(s) had a mask made from "
+                     "constants that masks nothing (they run SDPA's unmasked kernels)")
+    if causal:
+        notes.append(f"causal attention masks made is_causal: {causal} SDPA call(s) had a mask made from constants "
+                     "that is the causal one (they run SDPA's causal kernels, skipping the tiles above the diagonal)")
+    if notes:
+        gm.recompile()
+    return notes
 
 
 # ------------------------------------------------------------------------------------ masks laid out for the kernels

@@ -1,5 +1,5 @@
 """SDPA calls in Dynamo's graph (fuser/sdpa_calls.py): a mask made from constants that keeps every key is
-dropped, any other mask kept; in training on CUDA, the fused kernel eager picks is pinned for the trace."""
+dropped, one that is the causal mask made is_causal, any other mask kept; in training on CUDA, the fused kernel eager picks is pinned for the trace."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +8,7 @@ import fuser
 from tolerances import tol
 
 DROPPED = "attention masks that keep every key dropped"
+CAUSAL_NOTE = "causal attention masks made is_causal"
 B, S, H, D = 2, 37, 3, 16
 
 
@@ -21,9 +22,33 @@ KEEP_ALL = {
     "additive zeros": lambda q: torch.zeros(q.shape[-2], q.shape[-2], device=q.device, dtype=q.dtype),
     "ones as bool": lambda q: torch.ones(q.shape[-2], q.shape[-2], device=q.device).bool(),
 }
+def _positions(q):
+    s = q.shape[-2]
+    return torch.arange(s, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
+
+
+def _hf_causal(q):  # transformers' causal mask under compile (5.17): kv <= q, and the packed-sequence check
+    b, s = q.shape[0], q.shape[-2]
+    pos = torch.arange(s, device=q.device)[None].expand(b, -1)
+    packed = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    qi, ki = _positions(q)
+    same = packed[:, None, :, None] == packed[:, None, None, :]
+    return ((ki <= qi)[None, None] & same).expand(b, -1, s, s)
+
+
+CAUSAL = {
+    "transformers' (aranges, packed-sequence check)": _hf_causal,
+    "tril of ones": lambda q: torch.ones(q.shape[-2], q.shape[-2], device=q.device, dtype=torch.bool).tril(),
+    "additive -inf above the diagonal": lambda q: torch.zeros(q.shape[-2], q.shape[-2], device=q.device).masked_fill(
+        _positions(q)[1] > _positions(q)[0], float("-inf")),
+    "additive fp32 lowest above the diagonal": lambda q: torch.where(
+        _positions(q)[1] > _positions(q)[0], torch.finfo(torch.float32).min, 0.0).to(q.dtype),
+}
 MASKS_SOMETHING = {
-    "causal from aranges": lambda q: torch.arange(q.shape[-2], device=q.device)[:, None]
-    >= torch.arange(q.shape[-2], device=q.device)[None, :],
+    "causal shifted by one key": lambda q: _positions(q)[1] <= _positions(q)[0] + 1,
+    "additive fp16 lowest above the diagonal": lambda q: torch.where(  # a score near fp16's largest outweighs it
+        _positions(q)[1] > _positions(q)[0], torch.finfo(torch.float16).min, 0.0).to(q.dtype),
+    "causal but one key": lambda q: (_positions(q)[1] <= _positions(q)[0]) & (_positions(q)[1] != 5),
     "additive -inf on key 3": lambda q: torch.where(torch.arange(q.shape[-2], device=q.device) == 3,
                                                    float("-inf"), 0.0).to(q.dtype)[None, :],
     "additive NaN on key 0": lambda q: torch.where(torch.arange(q.shape[-2], device=q.device) == 0,
@@ -83,10 +108,22 @@ def test_a_constant_mask_that_keeps_every_key_is_dropped(device, mask, train):
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("mask", list(CAUSAL))
+def test_a_constant_causal_mask_becomes_is_causal(device, mask, train):
+    _check(_attention(CAUSAL[mask]), device, train)
+    assert not _dropped()
+    notes = [n for r in _reports() for n in r.notes if n.startswith(CAUSAL_NOTE)]
+    assert len(notes) == 1 and notes[0].startswith(f"{CAUSAL_NOTE}: 1 SDPA call"), notes
+    code = "\n".join(line for r in _reports() for line in r.code)
+    assert "arange" not in code and "tril" not in code and "where" not in code, code
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("mask", list(MASKS_SOMETHING))
 def test_a_mask_that_masks_a_key_is_kept(device, mask, train):
     _check(_attention(MASKS_SOMETHING[mask]), device, train)
     assert not _dropped()
+    assert not [n for r in _reports() for n in r.notes if n.startswith(CAUSAL_NOTE)]
 
 
 def test_a_mask_from_an_input_or_a_random_op_or_a_size_that_varies_is_kept(device):

@@ -741,13 +741,14 @@ def test_left_padding_in_training_keeps_eagers_gradients(case, device):
 
 
 def test_a_mask_built_from_constants_is_folded_in_both_graphs_not_saved(device):
-    """A mask made each call from arange and cumsum (Hugging Face's packed-sequence and causal masks) is a
-    constant: the backward recomputes it instead of the forward saving it, so each graph folds it and
-    neither runs its ops (cumsum has no lowering: it was an eager launch every step); gradients as eager's."""
+    """A mask made each call from arange and cumsum (Hugging Face's packed-sequence and causal masks, here with a
+    window, so that it is not SDPA's is_causal, which test_sdpa_calls covers) is a constant: the backward
+    recomputes it instead of the forward saving it, so each graph folds it and neither runs its ops (cumsum has
+    no lowering: it was an eager launch every step); gradients as eager's."""
     def attention(q, k, v):
         pos = torch.arange(q.shape[2], device=q.device) + 0
         seq = (torch.diff(pos, prepend=pos[:1] - 1) != 1).cumsum(-1)  # one packed sequence: all zeros
-        mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+        mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 5)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     _attention_gradients_match_eager(attention, device)
     forward, backward = fuser.reports()[-2:]
