@@ -57,9 +57,21 @@ _IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, oper
              operator.irshift, operator.imatmul}
 
 
+_IN_PLACE_DUNDERS = {f"__{name}__" for name in ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+                                                  "iand", "ior", "ixor", "ilshift", "irshift", "imatmul")}
+
+
+def _in_place_method(name: str) -> bool:
+    """A tensor method that writes its tensor: `add_`, `__iand__`; not `__eq__` (torch 2.11's Dynamo keeps `a == b`
+    of tensors as that method) nor another operator's dunder."""
+    if name.startswith("__") and name.endswith("__"):
+        return name in _IN_PLACE_DUNDERS
+    return name.endswith("_")
+
+
 def _writes(n: fx.Node) -> list:
     """The tensors `n` writes in place (Dynamo's graph keeps in-place methods, setitem and out=)."""
-    if n.op == "call_method" and n.target.endswith("_"):
+    if n.op == "call_method" and _in_place_method(n.target):
         return n.args[:1]
     if n.op != "call_function":
         return []
@@ -88,7 +100,7 @@ def _plain(n: fx.Node) -> bool:
     """A tensor method or a function of torch, operator or builtins (not a user's function Dynamo allowed in
     the graph, which could do anything when run at compile time)."""
     if n.op == "call_method":
-        return not n.target.endswith("_")
+        return not _in_place_method(n.target)
     module = getattr(n.target, "__module__", None) or ""
     return n.op == "call_function" and (module.split(".")[0] in ("torch", "_operator", "operator", "builtins")
                                         or n.target in (operator.getitem,))

@@ -276,3 +276,24 @@ def test_a_mask_with_a_strided_last_dimension_is_laid_out_for_the_fused_kernels(
         torch.testing.assert_close(compiled(q, k, v), f(q, k, v), **tol(torch.float32, scale=10))
     notes = [n for r in _reports() for n in r.notes if n.startswith("attention masks laid out for SDPA's fused kernels")]
     assert len(notes) == (device == "cuda"), notes
+
+
+def test_operators_are_no_writes_in_place():
+    """Dynamo keeps a tensor `a == b` as `call_method __eq__` (torch 2.11) and `a & b` as operator.and_: neither
+    writes its tensor, so a mask made with them is still evaluated; `__iand__`, `add_` and setitem write."""
+    import operator
+
+    import torch.fx as fx
+
+    from fuser.sdpa_calls import _plain, _writes
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    reads = [g.call_method("__eq__", (a, b)), g.call_method("__and__", (a, b)), g.call_function(operator.and_, (a, b)),
+             g.call_function(operator.or_, (a, b)), g.call_method("cumsum", (a, -1))]
+    writes = [g.call_method("__iand__", (a, b)), g.call_method("add_", (a, b)), g.call_function(operator.setitem, (a, 0, b)),
+              g.call_function(operator.iand, (a, b))]
+    for n in reads:
+        assert _writes(n) == [] and _plain(n), n.format_node()
+    for n in writes:
+        assert list(_writes(n)) == [a], n.format_node()
+    assert not any(_plain(n) for n in writes[:2])
