@@ -851,9 +851,10 @@ def fast_views(graph, exact: set) -> int:
         steps = (*steps, step)
         v, r = n.meta["val"], root.meta["val"]
         layout = (tuple(v.shape), v.stride(), v.storage_offset() - r.storage_offset())
-        if root in exact and layout == (tuple(r.shape), r.stride(), 0) and not any(u.op == "output" for u in n.users):
+        back = root in exact and layout == (tuple(r.shape), r.stride(), 0) or _identity(steps, tuple(r.shape))
+        if back and not any(u.op == "output" for u in n.users):
             n.replace_all_uses_with(root)  # views that come back to the root's layout (a permute and its
-            graph.erase_node(n)  # inverse, in backward graphs): the root itself, no call
+            graph.erase_node(n)  # inverse, in backward graphs: a weight's W.t().t()): the root itself, no call
             done += 1
             continue
         with graph.inserting_before(n):
@@ -868,6 +869,36 @@ def fast_views(graph, exact: set) -> int:
         done += 1
     graph.eliminate_dead_code()
     return done
+
+
+_PERMUTES = {"aten.permute.default", "aten.transpose.int", "aten.t.default"}
+_SAME_SIZE = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
+
+
+def _identity(steps, shape: tuple) -> bool:
+    """Whether a chain of views gives its root back whatever the root's strides: permutes (transposes) that
+    compose to none, aliases, views to the size the tensor has.  Such a chain needs no layout check."""
+    order = list(range(len(shape)))  # the root's dim each dim of the current view is
+    for name, args, _, index in steps:
+        if index is not None:
+            return False
+        if name == "aten.alias.default":
+            continue
+        if name in _SAME_SIZE:
+            if tuple(args[0]) != tuple(shape[d] for d in order):
+                return False
+            continue
+        if name not in _PERMUTES:
+            return False
+        rank = len(order)
+        if name == "aten.permute.default":
+            dims = [d % rank for d in args[0]]
+        else:
+            a, b = ((0, 1) if name == "aten.t.default" else (args[0] % rank, args[1] % rank)) if rank > 1 else (0, 0)
+            dims = list(range(rank))
+            dims[a], dims[b] = dims[b], dims[a]
+        order = [order[d] for d in dims]
+    return order == list(range(len(shape)))
 
 
 def _view_site(n):

@@ -253,6 +253,40 @@ def test_a_chain_of_views_is_one_reinterpretation_or_its_ops(steps):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+class TwiceTransposed(nn.Module):
+    """A weight read as W.t().t() (every backward graph reads its forward's W.t() so) by an eager matmul."""
+
+    def forward(self, x, w):
+        return torch.sigmoid((torch.relu(x) * 3 + 1) @ w.t().t() * 2 + 1)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed"])
+def test_views_that_give_their_root_back_are_the_root(device, strided):
+    """Permutes that compose to none (and aliases, views to the same size) give their root back whatever its
+    strides: the program reads the root itself, with no view call nor layout check."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 7, device=device)
+    w = torch.randn(3, 7, device=device).t() if strided else torch.randn(7, 3, device=device)
+    m = TwiceTransposed()
+    fused = fuser.fuse(m)
+    assert_close_to_eager(fused(x, w), m(x, w))
+    assert "view_chain" not in fused.code and "permute" not in fused.code and "reinterpret" not in fused.code, fused.code
+
+
+@pytest.mark.parametrize("steps,identity", [
+    ([("aten.permute.default", ((1, 0, 2),)), ("aten.permute.default", ((1, 0, 2),))], True),
+    ([("aten.permute.default", ((2, 0, 1),)), ("aten.permute.default", ((1, 2, 0),))], True),
+    ([("aten.permute.default", ((2, 0, 1),)), ("aten.permute.default", ((2, 0, 1),))], False),
+    ([("aten.transpose.int", (-1, -2)), ("aten.alias.default", ()), ("aten.transpose.int", (1, 2))], True),
+    ([("aten.transpose.int", (0, 1)), ("aten.view.default", ((3, 2, 4),)), ("aten.transpose.int", (0, 1))], True),
+    ([("aten.view.default", ((2, 3, 4),)), ("aten.alias.default", ())], True),
+    ([("aten.view.default", ((2, 12),)), ("aten.view.default", ((2, 3, 4),))], False),  # not layout-free
+    ([("aten.slice.Tensor", (0, 0, 1))], False),
+])
+def test_a_chain_gives_its_root_back(steps, identity):
+    assert runtime._identity([(name, args, (), None) for name, args in steps], (2, 3, 4)) is identity
+
+
 # ------------------------------------------------------------------------------------------ folding
 class MaskEveryCall(nn.Module):
     """What Hugging Face models do each step: positions and a causal mask built from arange, then
