@@ -26,7 +26,6 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 from torch.nn.attention import SDPBackend
 
-from .fold import FOLD_LIMIT_BYTES
 
 aten = torch.ops.aten
 log = logging.getLogger("fuser")
@@ -106,16 +105,22 @@ def _plain(n: fx.Node) -> bool:
                                         or n.target in (operator.getitem,))
 
 
+# A mask is evaluated once, at compile time, and dropped (its value never held): each value it is made of may
+# be larger than a folded constant's (fold.FOLD_LIMIT_BYTES, 16 MiB), so that a causal LM's [B, 1, T, T] mask at
+# B8 T4096 (128 MiB, bool) is still read, where its attention costs most.  Decision: 256 MiB a value.
+MASK_LIMIT_BYTES = 1 << 28
+
+
 def _made_of(node: fx.Node) -> list[fx.Node] | None:
     """`node` and what it is computed from, in graph order, or None where any of it is a graph input, an
-    attribute, not a plain op, a value of no static size, or past the fold limit."""
+    attribute, not a plain op, a value of no static size, or past MASK_LIMIT_BYTES."""
     made = _ancestors([node])
     for n in made:
         v = n.meta.get("example_value")
         if not _plain(n) or v is None:
             return None
         if isinstance(v, torch.Tensor) and (not all(isinstance(s, int) for s in v.shape)
-                                            or v.untyped_storage().nbytes() > FOLD_LIMIT_BYTES):
+                                            or v.untyped_storage().nbytes() > MASK_LIMIT_BYTES):
             return None
     return [n for n in node.graph.nodes if n in made]
 

@@ -297,3 +297,14 @@ def test_operators_are_no_writes_in_place():
     for n in writes:
         assert list(_writes(n)) == [a], n.format_node()
     assert not any(_plain(n) for n in writes[:2])
+
+
+def test_a_mask_past_the_evaluation_limit_is_kept(device, monkeypatch):
+    """A mask is evaluated at compile time only within MASK_LIMIT_BYTES a value: past it (lowered here below the
+    [B, 1, S, S] mask's bytes) the mask stays, as SDPA's mask; the limit as shipped reads a causal LM's mask at
+    B8 T4096 (bool), where the causal kernels save the most."""
+    from fuser import fold, sdpa_calls
+    assert sdpa_calls.MASK_LIMIT_BYTES >= 8 * 4096 * 4096 > fold.FOLD_LIMIT_BYTES
+    monkeypatch.setattr(sdpa_calls, "MASK_LIMIT_BYTES", B * S * S - 1)
+    _check(_attention(_hf_causal), device, False)
+    assert not [n for r in _reports() for n in r.notes if n.startswith(CAUSAL_NOTE)]
