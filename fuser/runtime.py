@@ -891,10 +891,12 @@ def _identity(steps, shape: tuple) -> bool:
         if name not in _PERMUTES:
             return False
         rank = len(order)
+        if rank < 2 and name != "aten.permute.default":
+            continue  # t() and transpose of a 0-d or 1-d tensor give it back
         if name == "aten.permute.default":
             dims = [d % rank for d in args[0]]
         else:
-            a, b = ((0, 1) if name == "aten.t.default" else (args[0] % rank, args[1] % rank)) if rank > 1 else (0, 0)
+            a, b = (0, 1) if name == "aten.t.default" else (args[0] % rank, args[1] % rank)
             dims = list(range(rank))
             dims[a], dims[b] = dims[b], dims[a]
         order = [order[d] for d in dims]

@@ -56,8 +56,9 @@ _IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, oper
              operator.irshift, operator.imatmul}
 
 
-_IN_PLACE_DUNDERS = {f"__{name}__" for name in ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
-                                                  "iand", "ior", "ixor", "ilshift", "irshift", "imatmul")}
+_IN_PLACE_DUNDERS = {f"__{name}__" for name in (
+    "setitem", "iadd", "isub", "imul", "idiv", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "ilshift",
+    "irshift", "imatmul")}
 
 
 def _in_place_method(name: str) -> bool:
@@ -175,7 +176,17 @@ def _value(gm: fx.GraphModule, nodes: list[fx.Node]) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _stored(value: torch.Tensor) -> torch.Tensor:
+    """`value` with each broadcast (stride-0) dimension narrowed to one element: what the checks below compare,
+    so that a small mask expanded over batch and heads costs its own size, not the expansion's."""
+    for d, (size, stride) in enumerate(zip(value.shape, value.stride())):
+        if stride == 0 and size > 1:
+            value = value.narrow(d, 0, 1)
+    return value
+
+
 def _keeps_every_key(value: torch.Tensor) -> bool:
+    value = _stored(value)
     if value.dtype == torch.bool:
         return bool(value.all())
     return value.is_floating_point() and bool((value == 0).all())
@@ -192,6 +203,7 @@ def _causal(value: torch.Tensor, queries: int, keys: int) -> bool:
     if queries == 0 or keys == 0 or value.dim() < 2 or value.shape[-1] not in (1, keys) or value.shape[-2] not in (1, queries):
         return False
     tril = torch.ones(queries, keys, dtype=torch.bool, device=value.device).tril()
+    value = _stored(value)  # a broadcast row or column is compared once, against every row or column of tril
     if value.dtype == torch.bool:
         keep = value
     elif value.is_floating_point():

@@ -287,6 +287,13 @@ def test_a_chain_gives_its_root_back(steps, identity):
     assert runtime._identity([(name, args, (), None) for name, args in steps], (2, 3, 4)) is identity
 
 
+@pytest.mark.parametrize("shape", [(), (5,)], ids=["0-d", "1-d"])
+def test_a_transpose_of_a_scalar_or_a_vector_gives_it_back(shape):
+    steps = [("aten.t.default", ()), ("aten.transpose.int", (0, -1)), ("aten.permute.default", (tuple(range(len(shape))),))]
+    for name, args in steps:
+        assert runtime._identity([(name, args, (), None)], shape), name
+
+
 # ------------------------------------------------------------------------------------------ folding
 class MaskEveryCall(nn.Module):
     """What Hugging Face models do each step: positions and a causal mask built from arange, then

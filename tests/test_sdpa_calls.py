@@ -308,3 +308,18 @@ def test_a_mask_past_the_evaluation_limit_is_kept(device, monkeypatch):
     monkeypatch.setattr(sdpa_calls, "MASK_LIMIT_BYTES", B * S * S - 1)
     _check(_attention(_hf_causal), device, False)
     assert not [n for r in _reports() for n in r.notes if n.startswith(CAUSAL_NOTE)]
+
+
+def test_a_broadcast_mask_is_checked_at_its_own_size():
+    """A mask expanded over batch and heads (stride 0) is compared at its stored size: a [L, S] tril expanded to
+    2^24 batches (1 GiB as bool) is checked without materialising the expansion; a row broadcast over the queries
+    is causal only for one query."""
+    from fuser.sdpa_calls import _causal, _keeps_every_key, _stored
+    tril = torch.ones(8, 8, dtype=torch.bool).tril()
+    wide = tril.expand(1 << 24, 8, 8)
+    assert _stored(wide).numel() == 64
+    assert _causal(wide, 8, 8) and not _keeps_every_key(wide)
+    assert _causal(torch.where(wide, 0.0, float("-inf")), 8, 8)
+    row = tril[:1]  # [1, 8]: key 0 only
+    assert not _causal(row.expand(3, 8, 8), 8, 8) and _causal(row.expand(3, 1, 8), 1, 8)
+    assert _keeps_every_key(torch.ones(1, 1, dtype=torch.bool).expand(1 << 24, 8, 8))
