@@ -1167,14 +1167,18 @@ def write_inputs_in_place(graph) -> list[str]:
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     done = []
+
+    def drop(c, dst):  # the copy back: dst holds the new value already
+        c.replace_all_uses_with(dst)
+        done.append(c.name)
+        graph.erase_node(c)
+
     for c in nodes:
         if c.target is not aten.copy_.default or not isinstance(c.args[1], torch.fx.Node):
             continue
         dst, new = c.args[:2]
         if dst.op == "placeholder" and _returned_input(new) is dst:  # our kernel stored into dst in place
-            c.replace_all_uses_with(dst)
-            done.append(c.name)
-            graph.erase_node(c)
+            drop(c, dst)
             continue
         if dst.op != "placeholder" or not new.args or new.args[0] is not dst or not _same_layout(meta(new), meta(dst)) \
                 or _reads(new, dst) or any(u.op == "output" for u in new.users):  # returned: a tensor of its own
@@ -1183,9 +1187,7 @@ def write_inputs_in_place(graph) -> list[str]:
         if pointwise is not None:
             c.prepend(new)  # where the copy_ was: after every read of the input
             new.target = pointwise
-            c.replace_all_uses_with(dst)
-            done.append(c.name)
-            graph.erase_node(c)
+            drop(c, dst)
             continue
         if new.target not in _IN_PLACE or ops.accumulates(new):
             continue
@@ -1196,9 +1198,7 @@ def write_inputs_in_place(graph) -> list[str]:
         if any(pos[u] > pos[new] for v in views for u in v.users if u not in (new, c)):
             continue  # read after the write: the functional op's copy is needed
         new.target = _IN_PLACE[new.target]
-        c.replace_all_uses_with(dst)
-        done.append(c.name)
-        graph.erase_node(c)
+        drop(c, dst)
     return done
 
 

@@ -56,9 +56,8 @@ _IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, oper
              operator.irshift, operator.imatmul}
 
 
-_IN_PLACE_DUNDERS = {f"__{name}__" for name in (
-    "setitem", "iadd", "isub", "imul", "idiv", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "ilshift",
-    "irshift", "imatmul")}
+# the same as methods (`x.__iand__(y)`), and Tensor's __idiv__, which operator has no function for
+_IN_PLACE_DUNDERS = {f"__{f.__name__}__" for f in _IN_PLACE} | {"__idiv__"}
 
 
 def _in_place_method(name: str) -> bool:
@@ -200,7 +199,8 @@ def _causal(value: torch.Tensor, queries: int, keys: int) -> bool:
     """Whether the mask, broadcast over the call's scores [..., queries, keys], is SDPA's `is_causal` one in every
     batch and head: key j kept for query i exactly where j <= i (top-left, `ones(L, S).tril()`); boolean, or
     additive with 0 where kept and -inf (or a float's lowest, _MASKED_BELOW) where not."""
-    if queries == 0 or keys == 0 or value.dim() < 2 or value.shape[-1] not in (1, keys) or value.shape[-2] not in (1, queries):
+    if queries == 0 or keys == 0 or value.dim() < 2 or value.shape[-2:] not in ((queries, keys), (1, keys),
+                                                                                  (queries, 1), (1, 1)):
         return False
     tril = torch.ones(queries, keys, dtype=torch.bool, device=value.device).tril()
     value = _stored(value)  # a broadcast row or column is compared once, against every row or column of tril
