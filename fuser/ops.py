@@ -894,6 +894,7 @@ OPAQUE = {
     aten.mm: "matmul: compute-bound, left to cuBLAS",
     aten.bmm: "matmul: compute-bound, left to cuBLAS",
     aten.addmm: "matmul: compute-bound, left to cuBLAS",
+    aten._addmm_activation: "matmul with its activation in cuBLASLt's epilogue (fuser/epilogue.py)",
     aten.baddbmm: "matmul: compute-bound, left to cuBLAS",
     aten.convolution: "convolution: compute-bound, left to cuDNN",
     aten.convolution_backward: "convolution: compute-bound, left to cuDNN",

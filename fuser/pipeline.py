@@ -23,6 +23,7 @@ from . import ops
 from .cost import eager_cost, tensor_bytes
 from .dtypes import target
 from .embedding import lower as lower_embedding_grads
+from .epilogue import matmul_epilogues
 from .fold import drop_identities, fold_constants
 from .gqa import share_kv_heads
 from .padding import pad_matmuls
@@ -52,6 +53,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     dropped_identities = drop_identities(gm)
     folded = fold_constants(gm)
     padded = pad_matmuls(gm)
+    epilogues = matmul_epilogues(gm)
     split, whole = split_column_sums(gm), split_whole_sums(gm)
     embedding_grads = dict(lower_embedding_grads(gm))
     report = FusionReport()
@@ -126,6 +128,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         report.notes.append(f"attention of one query row shares K and V between query heads: {'; '.join(shared)}")
     if padded:
         report.notes.append(f"matmuls with unaligned widths padded: {', '.join(padded)}")
+    if epilogues:
+        report.notes.append(f"activations run in their matmul's epilogue: {'; '.join(epilogues)}")
     if split:
         report.notes.append(f"column sums split to fill the GPU: {'; '.join(split)}")
     if whole:

@@ -132,7 +132,7 @@ def rewrite(gm: fx.GraphModule, regions: list, kernels: list, sizes: dict | None
 # eager ops whose result is a new contiguous tensor whatever their inputs' layouts (their meta functions,
 # which the fake tensors follow, and their kernels allocate it so): a view of one needs no layout check
 _NEW_CONTIGUOUS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-                   torch.ops.aten.baddbmm.default}
+                   torch.ops.aten.baddbmm.default, torch.ops.aten._addmm_activation.default}
 
 
 def _fixed(a, exact: set) -> bool:

@@ -785,6 +785,7 @@ reinterpret = named("reinterpret", torch._C._dynamo.guards._reinterpret_tensor, 
 # Not index_put: its binding refuses the None of an index list (`cache[:, :, pos] = k`).
 _BINDINGS = {
     aten.mm.default: torch.mm, aten.addmm.default: torch.addmm, aten.bmm.default: torch.bmm,
+    aten._addmm_activation.default: torch._addmm_activation,
     aten.baddbmm.default: torch.baddbmm, aten.convolution.default: torch.convolution,
     aten.embedding.default: torch.embedding, aten.index_select.default: torch.index_select,
     aten.gather.default: torch.gather, aten.cat.default: torch.cat, aten.gelu.default: torch._C._nn.gelu,

@@ -50,8 +50,8 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     ("dropout op", ("fuser.dropout",), False),
     ("pipeline", ("fuser.pipeline",), False),
     # graph passes before the partition; fuser.embedding also holds the function its marked nodes call
-    ("fold, padding, split, gqa, embedding", ("fuser.fold", "fuser.padding", "fuser.split", "fuser.gqa",
-                                              "fuser.embedding"), True),
+    ("fold, padding, epilogue, split, gqa, embedding", ("fuser.fold", "fuser.padding", "fuser.epilogue", "fuser.split",
+                                                        "fuser.gqa", "fuser.embedding"), True),
     ("patterns/", ("fuser.patterns", "fuser.patterns.*"), True),
     ("partition", ("fuser.partition",), False),
     ("codegen/", ("fuser.codegen", "fuser.codegen.*"), True),
