@@ -1,5 +1,5 @@
-"""A matmul with a bias whose result is read only by a tanh-GELU or a ReLU becomes one cuBLASLt call with the
-activation in its epilogue (`torch._addmm_activation`).
+"""A matmul whose result is read only by a tanh-GELU or a ReLU becomes one cuBLASLt call with the activation in
+its epilogue (`torch._addmm_activation`; a matmul without a bias, T5's, gets a zero one).
 
 Why: GPT-2's MLP (c_fc, gelu_new, c_proj) ran its GELU as a kernel of its own, alone between two matmuls,
 which are opaque to the partition: a launch a layer in a host-bound step, and the activation's bytes read and
@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from . import ops
-from .graph import is_generator, is_tensor, real_tensors, replaced
+from .graph import fake_mode_of, is_generator, is_tensor, real_tensors, replaced, static_shape
 
 aten = torch.ops.aten
 DTYPES = (torch.float16, torch.bfloat16)
@@ -48,14 +48,15 @@ ACTIVATIONS = {"gelu (tanh)": (True, _gelu_tanh), "relu": (False, torch.relu)}
 
 def matmul_epilogues(gm: fx.GraphModule) -> list[str]:
     """Rewrites gm in place; a line per matmul for the report."""
-    notes, changed = [], []
+    notes, changed, zeros = [], [], {}
     for n in list(gm.graph.nodes):
         found = _activation_after(n)
         if found is None:
             continue
         name, chain, out = found
+        args = n.args if n.target is aten.addmm.default else (_zeros(gm, n, zeros), *n.args)
         with gm.graph.inserting_before(n):
-            fused = gm.graph.call_function(aten._addmm_activation.default, n.args, {"use_gelu": ACTIVATIONS[name][0]})
+            fused = gm.graph.call_function(aten._addmm_activation.default, args, {"use_gelu": ACTIVATIONS[name][0]})
         new = fused
         views = [m for m in chain if m.target in _VIEWS]
         if views:  # the result's shape, as the chain's last view gives it (pointwise ops keep shapes)
@@ -72,14 +73,30 @@ def matmul_epilogues(gm: fx.GraphModule) -> list[str]:
     return notes
 
 
+def _zeros(gm: fx.GraphModule, n: fx.Node, made: dict) -> fx.Node:
+    """A zero bias for mm n (T5's MLP has none): one constant buffer per width, dtype and device, made once."""
+    v = n.meta["val"]
+    key = (v.shape[-1], v.dtype, v.device)
+    if key not in made:
+        name = f"_zero_bias_{len(made)}"
+        while hasattr(gm, name):
+            name += "_"
+        with real_tensors():
+            gm.register_buffer(name, torch.zeros(v.shape[-1], dtype=v.dtype, device=v.device), persistent=False)
+        with gm.graph.inserting_before(next(m for m in gm.graph.nodes if m.op != "placeholder")):
+            made[key] = gm.graph.get_attr(name)
+        made[key].meta["val"] = fake_mode_of(gm.graph).from_tensor(getattr(gm, name))
+    return made[key]
+
+
 def _activation_after(n: fx.Node):
-    """(activation name, the chain's nodes in graph order, its last node) where n is an addmm whose result only
-    a tanh-GELU or a ReLU reads (through order-keeping views and casts), else None."""
-    if n.op != "call_function" or n.target is not aten.addmm.default or n.kwargs.get("beta", 1) != 1 \
-            or n.kwargs.get("alpha", 1) != 1 or len(n.args) != 3:
+    """(activation name, the chain's nodes in graph order, its last node) where n is an mm or addmm (without
+    scaling) whose result only a tanh-GELU or a ReLU reads (through order-keeping views and casts), else None."""
+    if n.op != "call_function" or n.kwargs or not (n.target is aten.addmm.default and len(n.args) == 3
+                                                   or n.target is aten.mm.default):
         return None
     v = n.meta.get("val")
-    if not isinstance(v, torch.Tensor) or v.dtype not in DTYPES:
+    if not isinstance(v, torch.Tensor) or v.dtype not in DTYPES or n.target is aten.mm.default and not static_shape(v):
         return None
     chain = _made_from(n)
     for out in reversed(chain):  # the longest chain first

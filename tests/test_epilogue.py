@@ -40,17 +40,17 @@ KEPT = {
 class MLP(torch.nn.Module):
     """GPT-2's block MLP: a 3-d input's linear (view, addmm, view), the activation, the projection back."""
 
-    def __init__(self, act, d=48, hidden=112):
+    def __init__(self, act, d=48, hidden=112, bias=True):
         super().__init__()
-        self.fc, self.proj, self.act = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d), act
+        self.fc, self.proj, self.act = torch.nn.Linear(d, hidden, bias), torch.nn.Linear(hidden, d, bias), act
 
     def forward(self, x):
         return self.proj(self.act(self.fc(x))) + x
 
 
-def _run(act, dtype, device, x_shape=(3, 37, 48)):
+def _run(act, dtype, device, x_shape=(3, 37, 48), bias=True):
     torch.manual_seed(0)
-    model = MLP(act).to(device=device, dtype=dtype)
+    model = MLP(act, bias=bias).to(device=device, dtype=dtype)
     x = torch.randn(*x_shape, device=device, dtype=dtype)
     fused = fuser.fuse(model)
     with torch.no_grad():  # inference: the pre-activation is not saved for a backward
@@ -66,6 +66,14 @@ def test_activation_runs_in_the_matmul_epilogue(name, dtype, device):
     assert any("epilogue" in note and ("relu" in note) == ("gelu" not in note) for note in report.notes), report
     assert "_addmm_activation" in {u.op.split(".")[1] for u in report.unfused if u.op.startswith("aten.")}, report
     assert not {"tanh", "relu", "clamp_min", "maximum", "where"} & fused_ops(report), report
+
+
+@pytest.mark.parametrize("name", ["relu", "F.gelu tanh"])
+def test_a_matmul_without_bias_gets_a_zero_one(name, device):
+    """T5's MLP (wi without a bias, ReLU, wo): the same epilogue over a zero bias made once."""
+    report = _run(ACTIVATIONS[name], torch.bfloat16, device, bias=False)
+    assert any("epilogue" in note for note in report.notes), report
+    assert not {"tanh", "relu"} & fused_ops(report), report
 
 
 @pytest.mark.parametrize("name", list(KEPT))
