@@ -324,15 +324,22 @@ def normalize_attention(graph: fx.Graph) -> int:
         if lead not in ((b * h,), (1,)):
             continue
         beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)  # keyword-only in the schema
+        # the view's own size arguments (ints, or the graph's size nodes where sizes vary: sympy sizes are no
+        # arguments a graph can run) for Q·Kᵀ's [B, H, M, N] and the bias's [B or 1, H or 1, M or 1, N or 1]
+        sizes = list(view.args[1])
+        tail = [1 if shape(bias)[i] == 1 else sizes[i + 1] for i in (1, 2)]
+        bias_sizes = [*sizes[:2], *tail] if lead[0] != 1 else [1, 1, *tail]
+        if sum(isinstance(x, int) and x == -1 for x in bias_sizes) > 1:
+            continue
         mode = mode or fake_mode_of(graph)
 
         def call(target, *args):
             return insert(graph, view, mode, target, *args)
-        s4 = call(aten.view.default, call(aten.bmm.default, q, kt), [b, h, m, k])
+        s4 = call(aten.view.default, call(aten.bmm.default, q, kt), sizes)
         s4 = s4 if alpha == 1 else call(aten.mul.Tensor, s4, alpha)
         out = s4
         if beta != 0:  # else baddbmm ignores the input (even its NaN)
-            bias4 = call(aten.view.default, bias, [b if lead[0] != 1 else 1, h if lead[0] != 1 else 1, *shape(bias)[1:]])
+            bias4 = call(aten.view.default, bias, bias_sizes)
             out = call(aten.add.Tensor, s4, bias4 if beta == 1 else call(aten.mul.Tensor, bias4, beta))
         view.replace_all_uses_with(out)
         graph.erase_node(view)

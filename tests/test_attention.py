@@ -496,6 +496,25 @@ def test_hf_eager_attention_is_recognised(name, device):
     assert [r.kind for r in fused.report.regions].count("attention") == 2, fused.report
 
 
+def test_bloom_scores_over_symbolic_lengths(device):
+    """BLOOM's baddbmm(bias, q, kᵀ).view(B, H, M, N) at a second length (sizes symbolic on the recompile): the
+    scores are written out with the view's own size nodes (sympy sizes made the whole graph fall back to eager;
+    found by a sweep of unseen architectures)."""
+    class Scores(torch.nn.Module):
+        def forward(self, q, k, v, bias):  # q, k, v: [B·H, S, D]; bias: [B·H, 1, S]
+            s = torch.baddbmm(bias, q, k.transpose(1, 2), beta=1.0, alpha=0.25).view(2, 4, q.shape[1], k.shape[1])
+            return torch.bmm(torch.softmax(s, dim=-1).view(8, q.shape[1], k.shape[1]), v)
+
+    model, fused = Scores(), fuser.fuse(Scores())
+    for n in (13, 37):
+        q, k, v = (torch.randn(8, n, 16, device=device) for _ in range(3))
+        bias = torch.randn(8, 1, n, device=device)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(q, k, v, bias), model(q, k, v, bias), atol=1e-4, rtol=1e-4)
+        assert fused.report.fallback is None and not fused.report.fallbacks, fused.report
+        assert not any("baddbmm" in u.op for u in fused.report.unfused), fused.report  # written out as bmm, mul, add
+
+
 def _pad_mask(device, b, n, fill_row=None):
     """A key-padding mask [B, 1, 1, N] (True = keep); row `fill_row` entirely padded (every key masked)."""
     keep = torch.ones(b, 1, 1, n, device=device, dtype=torch.bool)

@@ -145,3 +145,71 @@ def test_symbolic_sizes(device):
         with torch.no_grad():
             torch.testing.assert_close(fused(x), model(x), **tol(torch.bfloat16))
         assert any("epilogue" in note for note in fused.report.notes), fused.report
+
+
+class _Probe(torch.nn.Module):
+    """A linear [N, 8] -> [N, 6] and a function of its result, in 16-bit."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.fc, self.f = torch.nn.Linear(8, 6), f
+
+    def forward(self, x):
+        return self.f(self.fc(x))
+
+
+def _probe(f, dtype=torch.bfloat16, scale=1.0, device="cpu", compile_=False):
+    torch.manual_seed(0)
+    model = _Probe(f).to(device=device, dtype=dtype)
+    x = torch.randn(4, 8, device=device, dtype=dtype) * scale
+    fused = torch.compile(model, backend="fuser") if compile_ else fuser.fuse(model)
+    with torch.no_grad():
+        out, want = fused(x), model(x)
+    torch.testing.assert_close(out, want, equal_nan=True, **tol(dtype))
+    return out, fuser.last_report()
+
+
+def test_two_views_broadcast_in_the_chain_stay(device):
+    """relu(h) + h.view(4, 1, 6).clamp(0, 0) broadcasts to [4, 4, 6]: elementwise per value it is relu, but not
+    one output per matmul element (review of 8cdaa73: the rewrite gave it the last view's shape)."""
+    for reduce in (False, True):
+        out, report = _probe(lambda h: (lambda y: y.sum(1) if reduce else y)(torch.relu(h) + h.view(4, 1, 6).clamp(0, 0)),
+                             device=device)
+        assert not any("epilogue" in note for note in report.notes), report
+
+
+def test_a_narrowing_cast_inside_the_chain_stays(device):
+    """(h.float() * 4096).half() overflows past |h| = 16 in fp16 (the epilogue would not): kept."""
+    out, report = _probe(lambda h: torch.relu((h.float() * 4096.0).half()) * (1 / 4096.0), torch.float16, 20.0, device)
+    assert out.isinf().any() and not any("epilogue" in note for note in report.notes), report
+
+
+def test_a_threshold_between_zero_and_the_smallest_sample_is_not_relu(device):
+    """threshold(h, 5e-7, 0) differs from relu only on (0, 5e-7]: every 16-bit value is evaluated."""
+    out, report = _probe(lambda h: F.threshold(h, 5e-7, 0.0), device=device)
+    assert not any("epilogue" in note for note in report.notes), report
+
+
+def test_the_returned_activation_is_no_view(device):
+    """A 3-d input's linear and relu returned as they are: the result is not a view (detach_ works, as eager's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU()).to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 8, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = torch.compile(model, backend="fuser")(x)
+        torch.testing.assert_close(out, model(x), **tol(torch.bfloat16))
+    assert any("epilogue" in note for note in fuser.last_report().notes), fuser.last_report()
+    assert not out._is_view()
+    out.detach_()
+
+
+def test_an_mm_over_symbolic_rows_keeps_its_zero_bias(device):
+    """The zero bias needs a fixed width only: rows that vary keep the rewrite."""
+    torch.manual_seed(0)
+    model = MLP(torch.relu, bias=False).to(device=device, dtype=torch.bfloat16)
+    fused = fuser.fuse(model, dynamic=True)
+    for t in (7, 19):
+        x = torch.randn(2, t, 48, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), **tol(torch.bfloat16))
+        assert any("epilogue" in note for note in fused.report.notes), fused.report
