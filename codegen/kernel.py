@@ -39,6 +39,14 @@ class CodegenError(Exception):
         self.node = node
 
 
+
+def _in_dtype(v, dtype: torch.dtype):
+    """A Python number as a value of `dtype`, as eager fills with it: an integer tensor's pad value -100.0 is
+    -100 (a float literal made the kernel's result fp32: integers past 2**24 rounded, an index of fp32)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and not dtype.is_floating_point:
+        return bool(v) if dtype == torch.bool else int(v)
+    return v
+
 @dataclass
 class KernelSource:
     name: str
@@ -326,7 +334,7 @@ class KernelWriter:
         cdt = compute_dtype(meta(n).dtype)
         if len(branches) == 1 and branches[0][2] is None and other is None:  # a pure index map
             return self._as_computed(n, self.value(branches[0][0], branches[0][1], cond))
-        result = None if other is None else literal(other)  # cat: the last branch is the fallback
+        result = None if other is None else literal(_in_dtype(other, cdt))  # cat: the last branch is the fallback
         for src, src_idx, bounds in reversed(branches):
             if bounds is not None and not isinstance(bounds[0], tuple):
                 bounds = (bounds,)
@@ -335,6 +343,8 @@ class KernelWriter:
             v = self.value(src, self._alias_bounded(src_idx, bounds), sub_cond)
             v = convert(v, self.dtypes[v], cdt)
             result = v if here is None or result is None else f"tl.where({here}, {v}, {result})"
+        if other is not None and not cdt.is_floating_point and cdt != torch.bool:  # an int literal is int32
+            result = f"({result}).to({TL_DTYPE[cdt]})"
         return self.new(result, cdt)
 
     def _in_bounds(self, i, lo, hi, d, step=1) -> str:

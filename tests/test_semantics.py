@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fuser
 from helpers import fused_ops
@@ -138,6 +139,27 @@ def test_integer_division_by_zero(op, dtype, device):
         fn(a, b)
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         fused(a, b)
+
+
+@pytest.mark.parametrize("dtype, value", [(torch.int64, -100.0), (torch.int64, -1.7), (torch.int32, 7),
+                                          (torch.int8, 127.0), (torch.uint8, 200), (torch.bool, 0.5)])
+def test_an_integer_pad_keeps_its_dtype(dtype, value, device):
+    """F.pad of an integer tensor with a float value fills with the value in the tensor's dtype (truncated, as
+    eager): the fill was a float literal, which made the kernel's result fp32 (int64 past 2**24 rounded; HF's
+    labels, padded with -100, an fp32 index).  Found by a sweep of unseen architectures (Cohere, Gemma3)."""
+    def fn(x):
+        y = F.pad(x, (1, 2), value=value)
+        return y.logical_not() if dtype == torch.bool else y * 2 + 1
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 2, (3, 37), generator=g).bool() if dtype == torch.bool else \
+        torch.randint(0, 100, (3, 37), generator=g).to(dtype)
+    if dtype == torch.int64:
+        x[0, :3] = torch.tensor([2**30, 2**25 + 1, -(2**40) - 3])
+    x = x.to(device)
+    fused = fuser.fuse(fn)
+    out, want = fused(x), fn(x)
+    assert out.dtype == want.dtype and torch.equal(out, want), (out, want)
+    assert "constant_pad_nd" in fused_ops(fused.report), fused.report
 
 
 def test_float_division_by_zero_gives_inf_not_an_error(device):
