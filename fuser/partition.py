@@ -47,6 +47,7 @@ class Partitioner:
                     self.dag.add_edge(p, n)
         self.group: dict = {}
         self.members: dict[int, set] = {}
+        self.spans: dict[int, tuple] = {}  # group of several nodes -> (first, last) of its nodes in graph order
         self.reasons: dict = {}
         self.costs: dict = {}  # region -> Cost, for the regions partition() returns
         self._eager: dict = {}  # node -> eager_time
@@ -111,9 +112,19 @@ class Partitioner:
         return self.costs.get(region) or region_cost(region)
 
     def creates_cycle(self, a: set, b: set) -> bool:
-        """Would a path leave the merged group and come back into it?"""
+        """Would a path leave the merged group and come back into it?  Groups already formed run as one kernel
+        each (every input before every output): a path that reaches one member goes on from all of them (a
+        sibling merge beside a group that both feeds one sibling and reads the other is a cycle of kernels,
+        though no node path is one: Qwen2-MoE's router gradient).  Nodes past the merged group in graph order
+        cannot lead back, unless through a group with members on both sides: the bound moves past those."""
         merged = a | b
-        limit = max(self.cg.order[n] for n in merged)
+        spans = [span for g, span in self.spans.items() if not self.members[g] <= merged]
+        limit, moved = max(self.cg.order[n] for n in merged), True
+        while moved:
+            moved = False
+            for lo, hi in spans:
+                if lo <= limit < hi:
+                    limit, moved = hi, True
         stack = [s for n in merged for s in self.dag.successors(n) if s not in merged]
         seen = set()
         while stack:
@@ -122,8 +133,10 @@ class Partitioner:
                 continue
             if n in merged:
                 return True
-            seen.add(n)
-            stack.extend(self.dag.successors(n))
+            group = self.members.get(self.group.get(n), ())
+            for m in (group if n in group and not group <= merged else (n,)):
+                seen.add(m)
+                stack.extend(self.dag.successors(m))
         return False
 
     def reads_sealed(self, nodes: set) -> fx.Node | None:
@@ -150,6 +163,9 @@ class Partitioner:
             self.group[n] = ga
         self.members[ga] = merged
         del self.members[gb]
+        self.spans.pop(gb, None)
+        lo, hi = self.spans.get(ga, (self.cg.order[next(iter(a))],) * 2)
+        self.spans[ga] = (min(lo, *(self.cg.order[n] for n in b)), max(hi, *(self.cg.order[n] for n in b)))
         return True
 
     def partition(self) -> list[Region]:

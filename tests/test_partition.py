@@ -124,6 +124,25 @@ def test_no_cycle_through_an_eager_op():
     assert not any({"exp", "add"} <= names(r) for r in regions)
 
 
+def test_no_cycle_through_a_group_already_formed(device):
+    """Siblings b1 and b2 read z; b1 reads sigmoid(x), whose group also adds b2's matmul: merging the siblings
+    closes a cycle of kernels (the group before b1, b1's kernel before the matmul, the matmul before the group),
+    though no path of single nodes leaves and re-enters them.  The whole graph fell back to eager (Qwen2-MoE's
+    router gradient, found by a sweep of unseen architectures); now the merge is refused."""
+    def f(x, z, w, w2):
+        s = torch.sigmoid(x)
+        b1 = s.unsqueeze(1) * z
+        b2 = z * 2 + 1
+        a2 = s.sum(-1, keepdim=True) * 3 + b2.view(37, 128) @ w2
+        return b1.view(74, 64) @ w, a2
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(*s, generator=g).to(device) for s in ((37, 64), (37, 2, 64), (64, 64), (128, 64))]
+    fused = fuser.fuse(f)
+    assert_close_to_eager(fused(*args), f(*args))
+    assert fused.report.fallback is None and not fused.report.all_fallbacks, fused.report
+    assert {"sigmoid", "sum"} <= fused_ops(fused.report), fused.report
+
+
 def test_fusion_that_would_not_pay_is_declined():
     """A producer also needed outside, feeding a row too long for registers: fusing it would re-read
     its two inputs on each of the three passes (8N) instead of writing and re-reading its output (7N)."""
