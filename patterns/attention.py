@@ -452,7 +452,10 @@ def _split_kt_permutes(graph: fx.Graph) -> int:
             graph.erase_node(kt)
         elif p == [0, 2, 1] and kt is n.args[1] and (x4 := _four_d(kt.args[0])) is not None:
             kt4 = insert(graph, n, mode, aten.permute.default, x4, [0, 1, 3, 2])
-            n.replace_input_with(kt, insert(graph, n, mode, aten.reshape.default, kt4, list(shape(kt))))
+            x3 = kt.args[0]  # [B·H, N, D]: Kᵀ's sizes are its dims 0, 2, 1 (a symbolic one read off it in the graph)
+            sizes = [d if isinstance(d, int) else insert(graph, n, mode, aten.sym_size.int, x3, i)
+                     for i, d in ((i, meta(x3).shape[i]) for i in (0, 2, 1))]
+            n.replace_input_with(kt, insert(graph, n, mode, aten.reshape.default, kt4, sizes))
         else:
             continue
         done += 1

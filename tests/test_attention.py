@@ -496,18 +496,26 @@ def test_hf_eager_attention_is_recognised(name, device):
     assert [r.kind for r in fused.report.regions].count("attention") == 2, fused.report
 
 
-def test_bloom_scores_over_symbolic_lengths(device):
-    """BLOOM's baddbmm(bias, q, kᵀ).view(B, H, M, N) at a second length (sizes symbolic on the recompile): the
-    scores are written out with the view's own size nodes (sympy sizes made the whole graph fall back to eager;
-    found by a sweep of unseen architectures)."""
-    class Scores(torch.nn.Module):
-        def forward(self, q, k, v, bias):  # q, k, v: [B·H, S, D]; bias: [B·H, 1, S]
-            s = torch.baddbmm(bias, q, k.transpose(1, 2), beta=1.0, alpha=0.25).view(2, 4, q.shape[1], k.shape[1])
-            return torch.bmm(torch.softmax(s, dim=-1).view(8, q.shape[1], k.shape[1]), v)
+class _BloomScores(torch.nn.Module):
+    """BLOOM's scores: baddbmm(bias, q, kᵀ) over [B·H, ., .], viewed to [B, H, M, N] for the softmax; q, k, v
+    given as [B·H, S, D], or as [B, H, S, D] reshaped (Kᵀ then a transpose of a view of a 4-D tensor)."""
 
-    model, fused = Scores(), fuser.fuse(Scores())
+    def forward(self, q, k, v, bias):
+        if q.dim() == 4:
+            b, h, n, d = q.shape
+            q, k, v = (t.reshape(b * h, n, d) for t in (q, k, v))
+        s = torch.baddbmm(bias, q, k.transpose(1, 2), beta=1.0, alpha=0.25).view(2, 4, q.shape[1], k.shape[1])
+        return torch.bmm(torch.softmax(s, dim=-1).view(8, q.shape[1], k.shape[1]), v)
+
+
+@pytest.mark.parametrize("four_d", [False, True], ids=["3d", "4d"])
+def test_bloom_scores_over_symbolic_lengths(four_d, device):
+    """BLOOM's scores at a second length (sizes symbolic on the recompile): written out as bmm, mul and add with
+    the graph's own size nodes (sympy sizes made the whole graph fall back to eager, in the scores' view and in
+    Kᵀ's reshape; found by sweeps of unseen architectures)."""
+    model, fused = _BloomScores(), fuser.fuse(_BloomScores())
     for n in (13, 37):
-        q, k, v = (torch.randn(8, n, 16, device=device) for _ in range(3))
+        q, k, v = (torch.randn(*((2, 4) if four_d else (8,)), n, 16, device=device) for _ in range(3))
         bias = torch.randn(8, 1, n, device=device)
         with torch.no_grad():
             torch.testing.assert_close(fused(q, k, v, bias), model(q, k, v, bias), atol=1e-4, rtol=1e-4)
