@@ -39,13 +39,13 @@ class CodegenError(Exception):
         self.node = node
 
 
-
 def _in_dtype(v, dtype: torch.dtype):
     """A Python number as a value of `dtype`, as eager fills with it: an integer tensor's pad value -100.0 is
     -100 (a float literal made the kernel's result fp32: integers past 2**24 rounded, an index of fp32)."""
     if isinstance(v, (int, float)) and not isinstance(v, bool) and not dtype.is_floating_point:
         return bool(v) if dtype == torch.bool else int(v)
     return v
+
 
 @dataclass
 class KernelSource:

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from . import ops
+from .fold import fresh_attr
 from .graph import fake_mode_of, is_generator, is_tensor, meta, real_tensors, replaced
 
 aten = torch.ops.aten
@@ -87,9 +88,7 @@ def _zeros(gm: fx.GraphModule, n: fx.Node, made: dict) -> fx.Node:
     v = n.meta["val"]
     key = (v.shape[-1], v.dtype, v.device)
     if key not in made:
-        name = f"_zero_bias_{len(made)}"
-        while hasattr(gm, name):
-            name += "_"
+        name = fresh_attr(gm, f"_zero_bias_{len(made)}")
         with real_tensors():
             gm.register_buffer(name, torch.zeros(v.shape[-1], dtype=v.dtype, device=v.device), persistent=False)
         with gm.graph.inserting_before(next(m for m in gm.graph.nodes if m.op != "placeholder")):
@@ -106,7 +105,7 @@ def _activation_after(n: fx.Node, order: dict):
         return None
     v = n.meta.get("val")
     if not isinstance(v, torch.Tensor) or v.dtype not in DTYPES or not isinstance(v.shape[-1], int):
-        return None  # (a zero bias for an mm needs a fixed width)
+        return None  # (an mm's zero bias needs a fixed width)
     chain = _made_from(n, order)
     for out in reversed(chain):  # the longest chain first
         part = _ancestors(out, chain)

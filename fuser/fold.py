@@ -47,7 +47,7 @@ def fold_constants(gm: fx.GraphModule) -> list[str]:
         value = values.get(n)
         if value is None:
             continue
-        name = _fresh(gm, f"_folded_{n.name}")
+        name = fresh_attr(gm, f"_folded_{n.name}")
         gm.register_buffer(name, value, persistent=False)
         with graph.inserting_before(n):
             new = graph.get_attr(name)
@@ -225,7 +225,8 @@ def _evaluate(gm: fx.GraphModule, const: set, frontier: list) -> dict:
     return out
 
 
-def _fresh(gm, name: str) -> str:
+def fresh_attr(gm, name: str) -> str:
+    """`name`, or it with underscores added, free as an attribute of gm (for a constant registered on it)."""
     while hasattr(gm, name):
         name += "_"
     return name

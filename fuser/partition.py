@@ -133,8 +133,7 @@ class Partitioner:
                 continue
             if n in merged:
                 return True
-            group = self.members.get(self.group.get(n), ())
-            for m in (group if n in group and not group <= merged else (n,)):
+            for m in self.members.get(self.group.get(n)) or (n,):  # (n is outside merged: so is its group)
                 seen.add(m)
                 stack.extend(self.dag.successors(m))
         return False
@@ -163,9 +162,9 @@ class Partitioner:
             self.group[n] = ga
         self.members[ga] = merged
         del self.members[gb]
+        orders = [self.cg.order[n] for n in merged]
         self.spans.pop(gb, None)
-        lo, hi = self.spans.get(ga, (self.cg.order[next(iter(a))],) * 2)
-        self.spans[ga] = (min(lo, *(self.cg.order[n] for n in b)), max(hi, *(self.cg.order[n] for n in b)))
+        self.spans[ga] = (min(orders), max(orders))
         return True
 
     def partition(self) -> list[Region]:
