@@ -61,6 +61,8 @@ def literal(v) -> str:
             return 'float("nan")'
         if math.isinf(v):
             return 'float("inf")' if v > 0 else '-float("inf")'
+        if v == 0.0 and math.copysign(1.0, v) < 0:  # Triton's compiler makes a -0.0 constant +0.0 (3.6, run 196):
+            return "tl.full([], -2147483648, tl.int32).to(tl.float32, bitcast=True)"  # so its bits, as a float
         return repr(v)
     if isinstance(v, int):
         return str(v)

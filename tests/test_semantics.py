@@ -44,6 +44,22 @@ def test_argmax_argmin_nan(op, dim, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
+def test_a_negative_zero_in_the_program_keeps_its_sign(dtype, device):
+    """x * -0.0, a -0.0 filled in by `where` and a pad of -0.0: the zeros' signs as eager's (Triton's compiler
+    made a -0.0 constant +0.0: 1 / that gave +inf where eager gives -inf, run 196)."""
+    x = torch.randn(5, 37, generator=torch.Generator().manual_seed(5)).to(dtype).to(device)
+
+    def fn(x):
+        return (x * -0.0 + 1) * (x * -0.0), torch.where(x > 0, x, -0.0) * 2, F.pad(x * 3, (0, 2), value=-0.0)
+    fused = fuser.fuse(fn)
+    got, want = fused(x), fn(x)
+    assert_close_to_eager(got, want)
+    for g, w in zip(got, want):
+        assert torch.equal(torch.signbit(g), torch.signbit(w))
+    assert {"mul", "where", "constant_pad_nd"} <= fused_ops(fused.report), fused.report
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_nan_through_max_min_clamp_where(dtype, device):
     a = _rows_with_nan(device, dtype)
     b = torch.randn(a.shape, generator=torch.Generator().manual_seed(4)).to(dtype).to(device)
