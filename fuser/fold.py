@@ -21,8 +21,10 @@ import operator
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy
 
+from . import ops
 from .graph import ComputeGraph
 
 aten = torch.ops.aten
@@ -59,6 +61,62 @@ def fold_constants(gm: fx.GraphModule) -> list[str]:
     if notes:
         log.debug("fuser: folded %d constants: %s", len(notes), ", ".join(notes))
     return notes
+
+
+def merge_duplicates(gm: fx.GraphModule) -> list[str]:
+    """An op that computes what an earlier op computed is dropped for it, where only eager ops read either
+    result (directly or through views): made as tensors either way.  T5's SDPA calls each copy the one
+    relative-position bias contiguous: four identical [B, H, T, T] copies, which the partition then made
+    siblings of one kernel, all held at once (run 192).  Values are numbered through views (two views
+    alike are one value) but views stay as they are, as does what fused ops read: a recogniser claims its
+    attention's views and Q·Kᵀ, and a pointwise op each reader's kernel recomputes costs less than one
+    written out and read back.  Hence not torch's CSE (`fx_graph_cse`, run by AOT Autograd on joint
+    graphs), which merges every duplicate.  Not merged: random ops, `empty`, returned values (eager
+    returns two tensors), and across a write in place.  Returns a line per op dropped."""
+    cg = ComputeGraph(gm.graph)
+
+    def eager_reads(n) -> bool:  # n is read only by eager ops, directly or through views
+        return all(eager_reads(c) if cg.transparent(c) else isinstance(cg.info[c], ops.Opaque) for c in n.users)
+
+    value, seen, notes = {}, {}, []  # node -> the first node of its value; key -> that node
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            seen.clear()  # a write in place: what was read before it is not what is read after
+            continue
+        key = _value_key(n, value)
+        if key is None:
+            continue
+        first = value[n] = seen.setdefault(key, n)
+        if first is n or cg.transparent(n) or _returned(n) or _returned(first):
+            continue
+        if eager_reads(n) and eager_reads(first):
+            notes.append(f"{n.name} as {first.name}")
+            n.replace_all_uses_with(first)
+            gm.graph.erase_node(n)
+    if notes:
+        gm.graph.eliminate_dead_code()  # the views only the dropped ops read
+        gm.recompile()
+    return notes
+
+
+def _value_key(n: fx.Node, value: dict):
+    """What n computes, as a hashable key (its target, and its operands by value), or None where it may not
+    be merged.  Floats by their repr: -0.0 == 0.0, but x * -0.0 is not x * 0.0."""
+    target = n.target
+    if target is not operator.getitem and not isinstance(target, torch._ops.OpOverload):
+        return None
+    if isinstance(target, torch._ops.OpOverload) and (
+            torch.Tag.nondeterministic_seeded in target.tags or "empty" in target.__name__):
+        return None
+    leaves, spec = tree_flatten((n.args, n.kwargs))
+    try:
+        key = tuple((float, repr(x)) if isinstance(x, float) else (type(x), value.get(x, x)) for x in leaves)
+    except TypeError:  # an operand with no hash
+        return None
+    return target, key, str(spec)
 
 
 # op -> (the operand that leaves x unchanged, whether that holds for floats): x + 0 is +0.0 where x is -0.0

@@ -18,12 +18,13 @@ import torch.fx as fx
 
 from . import indexing as ix
 from . import ops
-from .cost import Cost, eager_cost, eager_slow_path, eager_time, region_cost
+from .cost import Cost, eager_cost, eager_slow_path, eager_time, region_cost, tensor_bytes
 from .graph import OWN_KERNEL, ComputeGraph, cpu_scalar, is_size, meta
 from .region import PERSISTENT_MAX_R, Region, analyze, reduction_space
 from .runtime import updated_in_place
 
 
+HELD_FLOOR = 1 << 20  # bytes a sibling merge may hold early whatever it saves (a LayerNorm's weight and bias sums)
 ALONE_MARGIN = 1.25  # a lone op runs as our kernel only where the model has it this much faster than eager's
 
 
@@ -49,6 +50,7 @@ class Partitioner:
         self.members: dict[int, set] = {}
         self.spans: dict[int, tuple] = {}  # group of several nodes -> (first, last) of its nodes in graph order
         self.reasons: dict = {}
+        self.kept_apart: list[str] = []  # sibling merges refused for memory (held_longer), for the report
         self.costs: dict = {}  # region -> Cost, for the regions partition() returns
         self._eager: dict = {}  # node -> eager_time
         # pointwise outputs of several shapes (horizontal fusion): for siblings, not while producers and
@@ -277,8 +279,36 @@ class Partitioner:
                 if theirs is None or theirs & self.apart or _placed(theirs) != _placed(nodes) \
                         or (not on_cpu and _devices(theirs) != _devices(nodes)):
                     continue
+                if (held := self.held_longer(theirs, nodes)) is not None:
+                    self.kept_apart.append(held)
+                    continue
                 if self.try_merge(other, gid):
                     break
+
+    def held_longer(self, a: set, b: set) -> str | None:
+        """Why two siblings stay apart for memory, or None.  Merged, they run as one kernel as soon as the
+        inputs of both are ready: the later sibling's outputs are then made early and held across every
+        kernel in between.  Refused where those outputs are more bytes than the reads the merge saves and
+        at least HELD_FLOOR (Inductor refuses horizontal fusions of nodes 64 apart for the same reason,
+        `are_long_distant_nodes`).  Four layers' copies of one bias, siblings by the bias they read,
+        were all held from the first layer on."""
+        order, hint = self.cg.order, self.cg.sizes.hint
+        first, later = sorted((a, b), key=lambda g: min(order[n] for n in g))
+        inputs = {x: g for g in (first, later) for n in g for x in self.cg.data_inputs(n) if x not in g}
+        outs = {n for n in later if any(c not in later for c in self.cg.consumers(n))}
+        held = sum(hint(tensor_bytes(n)) for n in outs if meta(n) is not None)
+        shared = {x for x in inputs if any(x in self.cg.data_inputs(n) for n in first)
+                  and any(x in self.cg.data_inputs(n) for n in later)}
+        saved = sum(hint(tensor_bytes(x)) for x in shared if meta(x) is not None)
+        if held <= max(saved, HELD_FLOOR):
+            return None
+        ready = max([min(order[n] for n in first)] + [order[x] for x in inputs if inputs[x] is later])
+        between = self.cg.nodes[ready + 1:min(order[n] for n in later)]
+        if not any(self.cg.is_compute(n) and n.target is not operator.getitem and n not in first for n in between):
+            return None
+        return (f"{min(later, key=order.get).name} not joined to {min(first, key=order.get).name}: its outputs "
+                f"({held / 2**20:.1f} MiB) would be made before the ops between them and held across them, "
+                f"for {saved / 2**20:.1f} MiB of reads saved")
 
     def unfused(self, regions) -> list[tuple[fx.Node, str]]:
         """Every compute node left to eager, with the reason."""

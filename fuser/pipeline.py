@@ -24,7 +24,7 @@ from .cost import eager_cost, tensor_bytes
 from .dtypes import target
 from .embedding import lower as lower_embedding_grads
 from .epilogue import matmul_epilogues
-from .fold import drop_identities, fold_constants
+from .fold import drop_identities, fold_constants, merge_duplicates
 from .gqa import share_kv_heads
 from .padding import pad_matmuls
 from .split import split_column_sums, split_whole_sums, unroll_small_sums
@@ -50,6 +50,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     that is exact and to our kernel elsewhere, "triton" always to our kernel, False leaves it.
     `cuda_graphs`: the graph will be replayed, so no lowering may decide anything at run time.
     `static`: indices of the inputs that are parameters and buffers (the same tensors every call)."""
+    duplicates = merge_duplicates(gm)
     dropped_identities = drop_identities(gm)
     folded = fold_constants(gm)
     padded = pad_matmuls(gm)
@@ -120,6 +121,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     devices = {n.meta["val"].device.type for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
     if "cpu" in devices and units:
         report.notes.append("CPU tensors: the kernels run through Triton's interpreter (correct, slow; for tests)")
+    if duplicates:
+        report.notes.append(f"ops that compute what an earlier op computed, dropped for it: {', '.join(duplicates)}")
     if dropped_identities:
         report.notes.append(f"ops that leave their operand unchanged dropped: {', '.join(dropped_identities)}")
     if folded:
@@ -130,6 +133,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         report.notes.append(f"matmuls with unaligned widths padded: {', '.join(padded)}")
     if epilogues:
         report.notes.append(f"activations run in their matmul's epilogue: {'; '.join(epilogues)}")
+    if part.kept_apart:
+        report.notes.append(f"siblings kept apart for memory: {'; '.join(dict.fromkeys(part.kept_apart))}")
     if split:
         report.notes.append(f"column sums split to fill the GPU: {'; '.join(split)}")
     if whole:

@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fuser
 from fuser.decompositions import decompositions
 from fuser.partition import Partitioner
-from helpers import fused_ops
+from helpers import fused_ops, peak_bytes
 from tolerances import assert_close_to_eager
 
 F32 = 4
@@ -677,3 +677,74 @@ def test_a_wide_scatter_indexes_in_64_bits():
     src = generate(region, sigs(region.inputs), sigs(region.outputs), device_type="cuda", name="k", persistent=True,
                    wide=True, cost=part.cost(region)).source
     assert ".to(tl.int64)" in src and "* 32768), " in src, src
+
+
+class _LayersOfOneBias(torch.nn.Module):
+    """Each layer reads its own function of one shared bias through an eager op (bmm): `scaled` gives
+    every layer its own scale (siblings by the bias they read, each writing [B, T, T]), else every layer
+    the same contiguous copy (T5's SDPA calls, each given the position bias)."""
+
+    def __init__(self, scaled, layers=3, t=96, b=24):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(1, t, t))
+        self.scales = torch.nn.Parameter(torch.rand(layers, t) + 0.5) if scaled else None
+        self.b, self.layers = b, layers
+
+    def forward(self, x):
+        for i in range(self.layers):
+            bias = self.bias * self.scales[i] if self.scales is not None else self.bias
+            x = torch.tanh(torch.bmm(bias.expand(self.b, -1, -1).contiguous(), x))
+        return x
+
+
+def _peak(fn, x):
+    with torch.no_grad():
+        fn(x)  # compiled (and warm)
+        return peak_bytes(fn, x)
+
+
+def test_one_value_copied_for_each_eager_reader_is_made_once(device):
+    """Three identical contiguous copies of a bias, each read by a bmm: made once (the others dropped, in the
+    report), the outputs and the peak of live bytes as eager's."""
+    torch.manual_seed(0)
+    model = _LayersOfOneBias(scaled=False).to(device)
+    x = torch.randn(24, 96, 7, device=device)
+    fused = fuser.fuse(model)
+    (got, peak), (want, eager_peak) = _peak(fused, x), _peak(model, x)
+    assert_close_to_eager(got, want)
+    (note,) = [n for n in fused.report.notes if "what an earlier op computed" in n]
+    assert note.count(" as ") == 2, note
+    assert peak <= eager_peak, (peak, eager_peak)
+
+
+def test_siblings_far_apart_are_not_joined_where_that_holds_their_outputs(device):
+    """Three layers' scaled copies of one bias (2.5 MiB each, from a 36 KiB read): joined as siblings they
+    would all be made before the first bmm and held to the last.  Each stays its own kernel, where its
+    layer reads it, with the reason in the report; the peak of live bytes stays eager's."""
+    torch.manual_seed(0)
+    model = _LayersOfOneBias(scaled=True, b=72).to(device)
+    x = torch.randn(72, 96, 7, device=device)
+    fused = fuser.fuse(model)
+    (got, peak), (want, eager_peak) = _peak(fused, x), _peak(model, x)
+    assert_close_to_eager(got, want)
+    copies = [r for r in fused.report.regions if "mul" in {o.split(".")[1] for o in r.ops}]
+    assert len(copies) == 3 and all(len(r.output_shapes) == 1 for r in copies), fused.report
+    assert any("siblings kept apart for memory" in n for n in fused.report.notes), fused.report.notes
+    assert peak <= eager_peak, (peak, eager_peak)
+
+
+def test_duplicates_read_by_fused_ops_stay_recomputed_and_returned_ones_stay_apart(device):
+    """(a * 2) written twice and read by two reductions of other shapes: each kernel computes its own (one
+    written out and read back costs more).  x * 0.0 and x * -0.0 are not one value.  Two equal copies
+    the graph returns are two tensors, as eager's."""
+    def f(a):
+        return (a * 2).amax(-1), (a * 2).amin(0), 1 / (a * 0.0).sort(0).values, 1 / (a * -0.0).sort(0).values, a.t().contiguous(), \
+            a.t().contiguous()
+    a = torch.rand(37, 53, device=device) + 0.5
+    fused = fuser.fuse(f)
+    got = fused(a)
+    assert_close_to_eager(got, f(a))
+    assert torch.equal(got[3], torch.full_like(got[3], float("-inf")))
+    assert got[4].data_ptr() != got[5].data_ptr()
+    assert not [n for n in fused.report.notes if "what an earlier op computed" in n], fused.report.notes
+    assert {"amax", "amin"} <= fused_ops(fused.report), fused.report
