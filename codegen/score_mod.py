@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from fuser import ops
+from fuser.dtypes import literal
 from fuser.graph import meta, packet
 
 from .attention import _TL_DTYPE, DEAD_FILL, ScoreMod
@@ -31,7 +32,7 @@ def _reciprocal(n, expr: str) -> str:
             or isinstance(c, bool) or c == 0 or not meta(n).dtype.is_floating_point:
         return expr
     m = re.fullmatch(r"\((.+) / ([^()/]+)\)", expr)
-    return f"({m.group(1)} * {1.0 / float(c)!r})" if m else expr
+    return f"({m.group(1)} * {literal(1.0 / float(c))})" if m else expr
 
 
 def score_mod(scores, chain: list, extras: list, cg, structure: tuple | None = None, forms: tuple = (),
@@ -146,7 +147,7 @@ def _gradient(scores, chain: list, names: dict, var: str = "g") -> tuple[str, ..
     def val(a) -> str:
         if isinstance(a, fx.Node):
             return f"{names[a]}.to(tl.float32)"
-        return repr(float(a))
+        return literal(float(a))
     for n in chain:
         on = [j for j, a in enumerate(n.args) if isinstance(a, fx.Node) and a in path]
         if not on:
@@ -158,13 +159,13 @@ def _gradient(scores, chain: list, names: dict, var: str = "g") -> tuple[str, ..
         if op in _ONE:
             d = None
         elif op is aten.add:
-            d = None if j == 0 or alpha == 1 else repr(float(alpha))
+            d = None if j == 0 or alpha == 1 else literal(float(alpha))
         elif op is aten.sub:
-            d = None if j == 0 else repr(-float(alpha))
+            d = None if j == 0 else literal(-float(alpha))
         elif op is aten.mul:
             d = val(args[1 - j])
         elif op is aten.div and j == 0 and n.kwargs.get("rounding_mode") is None:
-            d = repr(1.0 / float(args[1])) if isinstance(args[1], (int, float)) else f"(1.0 / {val(args[1])})"
+            d = literal(1.0 / float(args[1])) if isinstance(args[1], (int, float)) else f"(1.0 / {val(args[1])})"
         elif op is aten.neg:
             d = "-1.0"
         elif op is aten.tanh:

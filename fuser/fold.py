@@ -71,26 +71,33 @@ def merge_duplicates(gm: fx.GraphModule) -> list[str]:
     alike are one value) but views stay as they are, as does what fused ops read: a recogniser claims its
     attention's views and Q·Kᵀ, and a pointwise op each reader's kernel recomputes costs less than one
     written out and read back.  Hence not torch's CSE (`fx_graph_cse`, run by AOT Autograd on joint
-    graphs), which merges every duplicate.  Not merged: random ops, `empty`, returned values (eager
-    returns two tensors), and across a write in place.  Returns a line per op dropped."""
+    graphs), which merges every duplicate.  Not merged: ops with effects (random, writes, profiler
+    ranges), `empty`, returned values (eager returns two tensors), what an op writes into, and across a
+    write in place.  Returns a line per op dropped."""
     cg = ComputeGraph(gm.graph)
 
     def eager_reads(n) -> bool:  # n is read only by eager ops, directly or through views
         return all(eager_reads(c) if cg.transparent(c) else isinstance(cg.info[c], ops.Opaque) for c in n.users)
 
+    written = set()  # what some op writes into, and the views it is written through
+    for m in gm.graph.nodes:
+        for w in _written(m):
+            while w not in written:
+                written.add(w)
+                w = w.args[0] if cg.transparent(w) and w.args and isinstance(w.args[0], fx.Node) else w
     value, seen, notes = {}, {}, []  # node -> the first node of its value; key -> that node
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
-        schema = getattr(n.target, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            seen.clear()  # a write in place: what was read before it is not what is read after
+        if n.is_impure():  # a write in place, a random op, a profiler range, a print: never merged
+            if getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable:
+                seen.clear()  # what was read before a write is not what is read after it
             continue
         key = _value_key(n, value)
-        if key is None:
+        if key is None or "unbacked_bindings" in n.meta:  # (a size it binds is named by the shapes after it)
             continue
         first = value[n] = seen.setdefault(key, n)
-        if first is n or cg.transparent(n) or _returned(n) or _returned(first):
+        if first is n or cg.transparent(n) or _returned(n) or _returned(first) or {n, first} & written:
             continue
         if eager_reads(n) and eager_reads(first):
             notes.append(f"{n.name} as {first.name}")
@@ -104,12 +111,12 @@ def merge_duplicates(gm: fx.GraphModule) -> list[str]:
 
 def _value_key(n: fx.Node, value: dict):
     """What n computes, as a hashable key (its target, and its operands by value), or None where it may not
-    be merged.  Floats by their repr: -0.0 == 0.0, but x * -0.0 is not x * 0.0."""
+    be merged (random ops and writes are impure: merge_duplicates skips them first).  Floats by their
+    repr: -0.0 == 0.0, but x * -0.0 is not x * 0.0."""
     target = n.target
     if target is not operator.getitem and not isinstance(target, torch._ops.OpOverload):
         return None
-    if isinstance(target, torch._ops.OpOverload) and (
-            torch.Tag.nondeterministic_seeded in target.tags or "empty" in target.__name__):
+    if isinstance(target, torch._ops.OpOverload) and "empty" in target.__name__:  # its values: whatever was there
         return None
     leaves, spec = tree_flatten((n.args, n.kwargs))
     try:

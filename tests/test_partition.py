@@ -738,8 +738,8 @@ def test_duplicates_read_by_fused_ops_stay_recomputed_and_returned_ones_stay_apa
     written out and read back costs more).  x * 0.0 and x * -0.0 are not one value.  Two equal copies
     the graph returns are two tensors, as eager's."""
     def f(a):
-        return (a * 2).amax(-1), (a * 2).amin(0), 1 / (a * 0.0).sort(0).values, 1 / (a * -0.0).sort(0).values, a.t().contiguous(), \
-            a.t().contiguous()
+        return ((a * 2).amax(-1), (a * 2).amin(0), 1 / (a * 0.0).sort(0).values, 1 / (a * -0.0).sort(0).values,
+                a.t().contiguous(), a.t().contiguous())
     a = torch.rand(37, 53, device=device) + 0.5
     fused = fuser.fuse(f)
     got = fused(a)
@@ -748,3 +748,18 @@ def test_duplicates_read_by_fused_ops_stay_recomputed_and_returned_ones_stay_apa
     assert got[4].data_ptr() != got[5].data_ptr()
     assert not [n for n in fused.report.notes if "what an earlier op computed" in n], fused.report.notes
     assert {"amax", "amin"} <= fused_ops(fused.report), fused.report
+
+
+def test_a_duplicate_written_into_later_is_not_merged():
+    """Two equal copies, then one written into in place (a graph kept unfunctionalised; AOT's write only their
+    inputs): the other keeps its own values."""
+    from fuser.fold import merge_duplicates
+
+    def f(x, y, w):
+        a, b = x.t().contiguous(), x.t().contiguous()
+        a.copy_(y)
+        return torch.mm(a, w), torch.mm(b, w)
+    x, y, w = torch.randn(5, 7), torch.randn(7, 5), torch.randn(5, 3)
+    gm = make_fx(f)(x, y, w)
+    assert merge_duplicates(gm) == []
+    assert_close_to_eager(gm(x, y, w), f(x, y, w))
