@@ -90,7 +90,7 @@ def merge_duplicates(gm: fx.GraphModule) -> list[str]:
         if n.op != "call_function":
             continue
         if n.is_impure():  # a write in place, a random op, a profiler range, a print: never merged
-            if getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable:
+            if _written(n):
                 seen.clear()  # what was read before a write is not what is read after it
             continue
         key = _value_key(n, value)

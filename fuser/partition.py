@@ -294,15 +294,13 @@ class Partitioner:
         were all held from the first layer on."""
         order, hint = self.cg.order, self.cg.sizes.hint
         first, later = sorted((a, b), key=lambda g: min(order[n] for n in g))
-        inputs = {x for g in (first, later) for n in g for x in self.cg.data_inputs(n) if x not in g}
+        read = [{x for n in g for x in self.cg.data_inputs(n) if x not in g} for g in (first, later)]
         outs = {n for n in later if any(c not in later for c in self.cg.consumers(n))}
         held = sum(hint(tensor_bytes(n)) for n in outs if meta(n) is not None)
-        shared = {x for x in inputs if any(x in self.cg.data_inputs(n) for n in first)
-                  and any(x in self.cg.data_inputs(n) for n in later)}
-        saved = sum(hint(tensor_bytes(x)) for x in shared if meta(x) is not None)
+        saved = sum(hint(tensor_bytes(x)) for x in read[0] & read[1] if meta(x) is not None)
         if held <= max(saved, HELD_FLOOR):
             return None
-        ready = max([min(order[n] for n in first)] + [order[x] for x in inputs])  # the merged kernel's place
+        ready = max([min(order[n] for n in first)] + [order[x] for x in read[0] | read[1]])  # the merged kernel's place
         between = self.cg.nodes[ready + 1:min(order[n] for n in later)]
         if not any(self.cg.is_compute(n) and n.target is not operator.getitem and n not in first for n in between):
             return None
