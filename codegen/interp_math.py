@@ -26,7 +26,7 @@ def _wrap(fn, native=False):
 
 _TORCH = {
     "asin": torch.asin, "acos": torch.acos, "atan": torch.atan, "atan2": torch.atan2,
-    "sinh": torch.sinh, "cosh": torch.cosh, "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
+    "tanh": torch.tanh, "sinh": torch.sinh, "cosh": torch.cosh, "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
     "erfinv": torch.erfinv, "lgamma": torch.lgamma, "erfcx": torch.special.erfcx,
     "normcdfinv": torch.special.ndtri, "cyl_bessel_i0": torch.special.i0, "cyl_bessel_i1": torch.special.i1,
     "j0": torch.special.bessel_j0, "j1": torch.special.bessel_j1,

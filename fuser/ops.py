@@ -21,7 +21,7 @@ import sympy
 import torch
 
 from . import indexing as ix
-from .dtypes import convert, literal
+from .dtypes import TL_DTYPE, compute_dtype, convert, literal
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -170,8 +170,16 @@ def _round(a: Args) -> str:
 
 
 def _fill(a: Args) -> str:
+    """A constant tensor's value, held in its dtype's compute dtype: rounded to its dtype as eager's tensor
+    holds it (full(0.1) in bf16 is 0.10009765625), and typed (a bare `1` would be an int in a float kernel:
+    ones_like(x) fed to copysign gave garbage)."""
     value = a.node.args[1] if a.node.target in (aten.full.default, aten.full_like.default) else a.node.args[0]
-    return literal(value)
+    held = TL_DTYPE[compute_dtype(a.dtype)]
+    if isinstance(value, torch.fx.Node):  # a symbolic int
+        return f"({literal(value)}).to({held})"
+    value = torch.tensor(value, dtype=a.dtype).item()
+    text = literal(value)
+    return f"{text}.to({held})" if text.startswith("tl.") else f"tl.full([], {text}, {held})"
 
 
 def _arange(a: Args) -> str:
@@ -271,7 +279,8 @@ POINTWISE = {
     aten.log1p: P(lambda a: f"_log1p({a[0]})"),
     aten.sin: P(lambda a: f"tl.sin({a[0]})"), aten.cos: P(lambda a: f"tl.cos({a[0]})"),
     aten.tan: P(lambda a: f"(tl.sin({a[0]}) / tl.cos({a[0]}))"),
-    aten.tanh: P(lambda a: f"_tanh({a[0]})"), aten.sigmoid: P(lambda a: f"tl.sigmoid({a[0]})"),
+    aten.tanh: P(lambda a: f"libdevice.tanh({a[0]})" if a.dtype == torch.float64 else f"_tanh({a[0]})"),
+    aten.sigmoid: P(lambda a: f"tl.sigmoid({a[0]})"),
     aten.silu: P(lambda a: f"({a[0]} * tl.sigmoid({a[0]}))"),
     aten.relu: P(lambda a: f"tl.where({a[0]} < 0, 0, {a[0]})"),
     aten.leaky_relu: P(lambda a: f"tl.where({a[0]} > 0, {a[0]}, {a[0]} * {literal((a.node.args + (0.01,))[1])})"),
@@ -386,19 +395,25 @@ HELPERS = {
     "_tanh": """
 @triton.jit
 def _tanh(x):
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    # 1 - 2 / (e^2x + 1) cancels near 0 (x's relative precision and -0.0's sign lost): there, Cephes'
+    # tanhf polynomial, x * (1 + x^2 p(x^2)), single-precision accurate (fp64 takes libdevice's)
+    z = x * x
+    p = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+    small = x * (1.0 + (p - 3.33332819422e-1) * z)
+    return tl.where(tl.abs(x) < 0.625, small, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
 """,
     "_log1p": """
 @triton.jit
 def _log1p(x):
     u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+    return tl.where(u == 1.0, x, tl.where(u == float("inf"), u, tl.log(u) * (x / (u - 1.0))))
 """,
     "_expm1": """
 @triton.jit
 def _expm1(x):
     u = tl.exp(x)
-    return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, (u - 1.0) * (x / tl.log(u))))
+    return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0,
+                    tl.where(u == float("inf"), u, (u - 1.0) * (x / tl.log(u)))))
 """,
     "_trunc": """
 @triton.jit
@@ -411,16 +426,22 @@ def _rint(x):
     r = tl.floor(x + 0.5)
     tie = (r - x) == 0.5
     odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
-    return tl.where(tie & odd, r - 1.0, r)
+    r = tl.where(tie & odd, r - 1.0, r)
+    return tl.where(r == 0, x * 0.0, r)  # -0.4 rounds to -0.0
 """,
     "_pow": """
 @triton.jit
 def _pow(a, b):
+    # C's pow: |a|^b; an odd integer power keeps a's sign (-0.0's too: (-0.0)^-3 is -inf); a negative
+    # finite a to a non-integer power is NaN (-inf's is inf or 0); x^0 and 1^y are 1, NaN or not
     r = tl.exp2(b * tl.log2(tl.abs(a)))
     is_int = b == tl.floor(b)
     odd = is_int & ((b - 2.0 * tl.floor(b * 0.5)) == 1.0)
-    r = tl.where(a < 0, tl.where(is_int, tl.where(odd, -r, r), float("nan")), r)
-    return tl.where(b == 0, 1.0, r)
+    # (selects, not & and |: the interpreter refuses those between a block and a scalar exponent's)
+    negative = tl.where(a == 0, 1.0 / a < 0, a < 0)
+    r = tl.where(negative, tl.where(odd, r * -1.0, r), r)  # -r is 0 - r on the GPU: +0.0 for 0.0
+    r = tl.where(a < 0, tl.where(a != -float("inf"), tl.where(is_int, r, float("nan")), r), r)
+    return tl.where(b == 0, 1.0, tl.where(a == 1.0, 1.0, r))
 """,
     "_pow_int": """
 @triton.jit
@@ -469,13 +490,14 @@ def _minimum(a, b):
     "_remainder": """
 @triton.jit
 def _remainder(a, b):
-    r = a % b
+    r = _fmod(a, b)
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
 """,
     "_fmod": """
 @triton.jit
 def _fmod(a, b):
-    return a % b
+    r = a % b
+    return tl.where(r == 0, a * 0, r)  # a zero takes a's sign (the GPU's % gave +0.0 for -0.0 % 2)
 """,
     "_rne_bf16": """
 @triton.jit
@@ -483,7 +505,8 @@ def _rne_bf16(x):
     # fp32 -> bf16, rounding to nearest even by hand (Triton's interpreter truncates)
     b = x.to(tl.uint32, bitcast=True)
     b = b + 0x7FFF + ((b >> 16) & 1)
-    return (b & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    r = (b & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r).to(tl.bfloat16)  # a NaN's mantissa would carry into its sign
 """,
     "_floordiv_float": """
 @triton.jit
@@ -494,7 +517,7 @@ def _floordiv_float(a, b):
     div = tl.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1.0, div)
     fl = tl.floor(div)
     fl = tl.where(div - fl > 0.5, fl + 1.0, fl)
-    return tl.where(b == 0, a / b, tl.where(div == 0, div * 0.0, fl))
+    return tl.where(b == 0, a / b, tl.where(div == 0, (a / b) * 0.0, fl))  # a zero takes a / b's sign
 """,
     # Special functions libdevice lacks, after Cephes and torch's ATen/native/Math.h.
     "_digamma": """
@@ -518,6 +541,7 @@ def _digamma(x):
     r = acc + tl.log(y) - 0.5 / y - tl.where(y < 1e17, z * poly, 0.0)
     r = tl.where(neg, r - refl, r)
     r = tl.where(neg & (x == tl.floor(x)), float("nan"), r)
+    r = tl.where(x == float("inf"), x, r)
     return tl.where(x == 0, tl.where(1.0 / x > 0, -float("inf"), float("inf")), r)  # copysign(inf, -x)
 """,
     "_trigamma": """
@@ -932,6 +956,9 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
         return Opaque(OPAQUE[packet])
     if packet is aten.index_put:
         return _scatter(node)
+    if packet is aten.nextafter and node.meta["val"].dtype in (torch.float16, torch.bfloat16):
+        return Opaque("nextafter in a 16-bit dtype: its step is the 16-bit format's, not fp32's (kernels compute "
+                      "in fp32): left to eager")
     if packet is aten.index and not _integer_indices(node):
         return Opaque("indexing by a mask (a gather of a data-dependent size), or by several tensors one of them "
                       "0-d (torch's fake tensors shape it otherwise than eager): left to eager")

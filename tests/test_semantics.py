@@ -59,6 +59,64 @@ def test_a_negative_zero_in_the_program_keeps_its_sign(dtype, device):
     assert {"mul", "where", "constant_pad_nd"} <= fused_ops(fused.report), fused.report
 
 
+_EDGES = [-0.0, 0.0, -float("inf"), float("inf"), float("nan"), -1e-30, 1e-30, -0.3, 0.3, -2.5, 2.5, -1.0, 1.0, -3.0, 3.0]
+# Each op at the IEEE edge values, as a fused kernel computes it. Left out where eager itself differs by device or
+# dtype or torch's decomposition does not compute what eager's kernel does (a fusion pass cannot be held to
+# both): gelu(-0.0) (+0.0 on CPU, -0.0 by its formula), x ** 0.5 at -0.0 and -inf (CPU's fp16 kernel takes C's
+# pow, others sqrt), softshrink's and tanhshrink's zeros (their decompositions: x * 0, x - tanh(x) rounded).
+# The sign of a zero result is not held where eager's differs by device (relu and clamp_min: -0.0 on CPU, +0.0
+# on CUDA) or the GPU's compiler drops it (frac(-0.0): x - trunc(x) came out -0.0, run 198).
+_ZERO_SIGN_FREE = {"relu", "clamp_min", "frac"}
+_EDGE_OPS = {
+    "neg": torch.neg, "abs": torch.abs, "reciprocal": torch.reciprocal, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+    "exp": torch.exp, "expm1": torch.expm1, "log": torch.log, "log2": torch.log2, "log10": torch.log10,
+    "log1p": torch.log1p, "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid, "silu": F.silu, "relu": torch.relu, "leaky_relu": F.leaky_relu, "hardtanh": F.hardtanh,
+    "hardswish": F.hardswish, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "erf": torch.erf,
+    "x**3": lambda x: x ** 3, "x**-1": lambda x: x ** -1, "x**-3": lambda x: x ** -3, "x**(1/3)": lambda x: x ** (1 / 3),
+    "x**2.5": lambda x: x ** 2.5, "clamp": lambda x: x.clamp(-1, 1), "clamp_min": lambda x: x.clamp_min(0),
+    "sign": torch.sign, "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc, "round": torch.round,
+    "frac": torch.frac, "asin": torch.asin, "atan": torch.atan, "sinh": torch.sinh, "asinh": torch.asinh,
+    "atanh": torch.atanh, "elu": F.elu, "softplus": F.softplus, "mish": F.mish, "logsigmoid": F.logsigmoid,
+    "sinc": torch.sinc, "x*-0": lambda x: x * -0.0, "0-x": lambda x: 0.0 - x, "x/-inf": lambda x: x / -float("inf"),
+    "remainder": lambda x: torch.remainder(x, -2.0), "fmod": lambda x: torch.fmod(x, 2.0),
+    "floor_divide": lambda x: torch.floor_divide(x, 2.0), "maximum": lambda x: torch.maximum(x, torch.full_like(x, 0.1)),
+    "where": lambda x: torch.where(x > 0, x, -x), "copysign": lambda x: torch.copysign(torch.ones_like(x) * 2, x.nan_to_num()),  # a NaN's sign: unspecified
+    "atan2": lambda x: torch.atan2(x, -torch.ones_like(x)), "hypot": lambda x: torch.hypot(x, x),
+    "ldexp": lambda x: torch.ldexp(x, torch.ones_like(x, dtype=torch.int32)), "digamma": torch.digamma,
+    "nextafter": lambda x: torch.nextafter(x, torch.zeros_like(x)), "full": lambda x: x + torch.full_like(x, 0.1),
+    "to_bf16": lambda x: x.to(torch.bfloat16).to(x.dtype),
+}
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_ops_at_signed_zeros_infinities_and_nan(dtype, device):
+    """Every op above at +-0, +-inf, NaN, tiny and ordinary values, fused: eager's values, NaN where eager's,
+    and eager's sign on every zero and infinity (1 / x tells -0.0 from 0.0). The interpreter and the GPU's
+    compiler each lost some (tanh(-0.0) was +0.0; expm1(inf), log1p(inf), digamma(inf) NaN; (-0.0) ** -3
+    +inf; round(-0.3) +0.0; a NaN rounded to bf16 by hand became -0.0; ones_like(x) was an int in a float
+    kernel, so copysign(ones_like(x) * 2, x) read its bits)."""
+    x = torch.tensor(_EDGES, dtype=dtype).repeat(3, 1).to(device)
+    ops = _EDGE_OPS
+
+    def fn(x):
+        x = x * 1.0  # every op reads a value computed in the kernel, not only a load
+        return tuple(f(x) * 1.0 for f in ops.values())
+    fused = fuser.fuse(fn)
+    got, want = fused(x), fn(x)
+    assert fused.report.fallback is None, fused.report
+    for name, g, w in zip(ops, got, want):
+        assert_close_to_eager(g, w, equal_nan=True, msg=name)
+        zero_or_inf = w.isinf() if name in _ZERO_SIGN_FREE else (w == 0) | w.isinf()
+        assert torch.equal(g.signbit()[zero_or_inf], w.signbit()[zero_or_inf]), (name, x[0], g[0], w[0])
+    assert {"tanh", "expm1", "log1p", "copysign", "digamma", "round", "pow", "div", "ldexp", "atan2",
+            "atanh"} <= fused_ops(fused.report), fused_ops(fused.report)
+    # nextafter's step is the dtype's: fp32 compute cannot take a 16-bit one, so there it stays eager, saying so
+    sixteen = dtype in (torch.float16, torch.bfloat16)
+    assert ("nextafter" in fused_ops(fused.report)) != sixteen
+    assert not sixteen or any("nextafter in a 16-bit dtype" in u.reason for u in fused.report.unfused)
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_nan_through_max_min_clamp_where(dtype, device):
     a = _rows_with_nan(device, dtype)

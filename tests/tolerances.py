@@ -13,7 +13,7 @@ plus the final rounding of the fused result.  The tolerances allow a chain of ~3
                                            40000), and from Triton's transcendentals (ex2.approx,
                                            div.full, libdevice vs. SLEEF / numpy in the interpreter:
                                            a few ulp, amplified by e.g. exp's slope).  atol covers
-                                           results near 0 (e.g. tanh written as 1 - 2/(e^2x + 1)).
+                                           results near 0 (sums and differences that cancel).
   float16   9.8e-4       1e-3     2e-3     eager: k roundings of 2^-11 relative each; fused: one.
                                            rtol = 4 half-ulps; atol = 1 ulp at 1.0 for values near 0
                                            (sums/differences whose inputs were rounded by eager).
