@@ -11,7 +11,7 @@ import transformers
 import fuser  # noqa: F401  (registers the backend; kernels for CPU tensors run through Triton's interpreter)
 
 
-def main(steps: int = 10):
+def main(steps: int = 10, batch: int = 4, seq: int = 64):
     """Returns each step's losses ({"fuser": [...], "eager": [...]}) and the fused graphs' reports."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -21,7 +21,7 @@ def main(steps: int = 10):
     twin = copy.deepcopy(model)
     compiled = torch.compile(model, backend="fuser")
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (model, twin)]
-    ids = torch.randint(0, 256, (4, 64), device=device)
+    ids = torch.randint(0, 256, (batch, seq), device=device)
     history = {"fuser": [], "eager": []}
     for step in range(steps):
         losses = []
