@@ -426,7 +426,7 @@ class KernelWriter:
         out_dt = compute_dtype(self._out_dtype(n))
         if combine in ("sum", "var"):
             acc_dt = out_dt if combine == "sum" else compute_dtype(meta(n.args[0]).dtype)
-            v = convert(v, self.dtypes[v], acc_dt)
+            v = convert(self._summand(n, v) if combine == "sum" else v, self.dtypes[v], acc_dt)
             s = self.new(f"tl.sum(tl.where(rmask, {v}, 0), 1)[:, None]", acc_dt)
             if combine == "sum":
                 scale = f" / {self._float(self.space.r)}" if self.cg.info[n].mean else ""
@@ -457,6 +457,15 @@ class KernelWriter:
             self.reduced[(n, 0)] = self.new(f"tl.max(tl.where(rmask & ({v} != 0), 1, 0), 1)[:, None] > 0", torch.bool)
             return
         raise CodegenError(f"no lowering for reduction {combine}")
+
+    def _summand(self, n, v):
+        """sum(x, dtype=D) is x.to(D).sum(): to a 16-bit D each element is rounded before it is added
+        (an element past D's range is inf there), then held in fp32 as D's values are.  Not a mean's: eager's
+        CPU mean of a 16-bit dtype sums the fp32 values (CUDA's rounds them: the devices differ)."""
+        d = self._out_dtype(n)
+        if d not in (torch.float16, torch.bfloat16) or meta(n.args[0]).dtype == d or self.cg.info[n].mean:
+            return v
+        return self.new(convert(convert(v, self.dtypes[v], d), d, torch.float32), torch.float32)
 
     def _finish_var(self, n, sq, mean, acc_dt):
         correction = n.kwargs.get("correction", 1)
@@ -521,6 +530,8 @@ class KernelWriter:
                     if n in online:
                         self._online_update(acc, acc_of[online[n]], convert(v, self.dtypes[v], dt))
                         continue
+                    if combine == "sum":
+                        v = self._summand(n, v)
                     v = convert(v, self.dtypes[v], dt if combine != "any" else self.dtypes[v])
                     if part == "main" and combine == "var":
                         mean = self.reduced[(n, 1)]

@@ -956,6 +956,12 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
         return Opaque(OPAQUE[packet])
     if packet is aten.index_put:
         return _scatter(node)
+    if (packet in (aten.argmax, aten.argmin) or packet is aten.abs and node.meta["val"].device.type == "cpu") \
+            and _bool_operand(node):  # (CUDA's abs takes bools)
+        return Opaque(f"{packet.__name__} of a bool tensor: eager raises (not implemented for 'Bool')")
+    if packet in (aten.clamp, aten.clamp_min, aten.clamp_max) and _bound_out_of_range(node):
+        return Opaque("a clamp bound outside the tensor's dtype: eager raises (it cannot be converted without "
+                      "overflow) or, for an unsigned dtype, wraps it around")
     if packet is aten.nextafter and node.meta["val"].dtype in (torch.float16, torch.bfloat16):
         return Opaque("nextafter in a 16-bit dtype: its step is the 16-bit format's, not fp32's (kernels compute "
                       "in fp32): left to eager")
@@ -968,6 +974,28 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     if isinstance(target, torch._ops.OpOverload) and target.name() in NAMED:
         return NAMED[target.name()]
     return Opaque(f"no Triton lowering for {target}")
+
+
+def _bool_operand(node) -> bool:
+    x = node.args[0] if node.args else None
+    return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) and x.meta["val"].dtype == torch.bool
+
+
+def _bound_out_of_range(node) -> bool:
+    """Whether a number bound of clamp is one eager's conversion to the tensor's dtype refuses or wraps
+    (c10::overflows: past an int's range, or a negative one for an unsigned int; past a 16-bit float's
+    finite range on CPU: CUDA's kernel holds the bound in fp32)."""
+    dtype, cpu = node.meta["val"].dtype, node.meta["val"].device.type == "cpu"
+    bounds = [b for b in (*node.args[1:], *node.kwargs.values()) if isinstance(b, (int, float)) and not isinstance(b, bool)]
+    for b in bounds:
+        if dtype.is_floating_point:
+            if cpu and math.isfinite(b) and abs(b) > torch.finfo(dtype).max:
+                return True
+        elif dtype != torch.bool and isinstance(b, int):
+            info = torch.iinfo(dtype)
+            if b > info.max or b < info.min:
+                return True
+    return False
 
 
 def accumulates(node) -> bool:

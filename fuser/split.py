@@ -174,6 +174,8 @@ def unroll_small_sums(gm: fx.GraphModule, keep: set) -> list[str]:
             part = x
             for d, i in sorted(zip(dims, at), reverse=True):  # the last dim first: the others keep their numbers
                 part = call(aten.select.int, part, d, i)
+            if part.meta["val"].dtype != out.dtype:  # sum(x, dtype=D) is x.to(D).sum(): each element rounded to D
+                part = call(prims.convert_element_type.default, part, out.dtype)
             if part.meta["val"].dtype != acc:
                 part = call(prims.convert_element_type.default, part, acc)
             total = part if total is None else call(aten.add.Tensor, total, part)

@@ -253,6 +253,55 @@ def test_amax_over_an_empty_dim_raises_eagers_error(device):
         fused(torch.randn(3, 0, device=device))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("width", [5, 37, 9000])  # unrolled as adds, one pass in registers, a loop
+def test_sum_into_a_16_bit_dtype_rounds_each_element_first(dtype, width, device):
+    """sum(x, dtype=D) is x.to(D).sum(): each element rounded to D before it is added (80000 is inf in
+    fp16: the row's sum NaN; 1.001 rounds to 1 in bf16), not summed in fp32 and rounded once."""
+    x = torch.randn(3, width, generator=torch.Generator().manual_seed(7))
+    x[:, 0], x[:, 1], x[1, 2] = 40000.0, -39999.0, 1.001 / 2
+    i = torch.randint(-3000, 3000, (3, width), generator=torch.Generator().manual_seed(8), dtype=torch.int32)
+    i[:, 0], i[:, 1] = 2049, -2049
+    x, i = x.to(device), i.to(device)
+
+    def fn(x, i):
+        return (x * 2.0).sum(-1, dtype=dtype), (i * 1).sum(-1, dtype=dtype) * 2, (x * 2.0).sum(dtype=dtype)
+    fused = fuser.fuse(fn)
+    got, want = fused(x, i), fn(x, i)
+    assert_close_to_eager(got, want)
+    assert want[0].isnan().all() == (dtype == torch.float16)
+    assert {"mul"} < fused_ops(fused.report) and fused.report.fallback is None, fused.report
+
+
+@pytest.mark.parametrize("fn, x", [
+    (lambda b: torch.abs(b & b), torch.tensor([[True, False, True]])),
+    (lambda b: (b & b).argmax(-1), torch.tensor([[True, False, True]])),
+    (lambda h: (h * 2.0).clamp(max=1e5), torch.ones(3, 5, dtype=torch.float16)),
+    (lambda i: (i * 2).clamp_min(1000), torch.ones(3, 5, dtype=torch.int8))],
+    ids=["abs-bool", "argmax-bool", "clamp-past-fp16", "clamp-past-int8"])
+def test_what_eager_refuses_is_refused(fn, x, device):
+    """Ops eager raises on (abs and argmax of bools, a clamp bound its dtype cannot hold) stay eager, so
+    the same error reaches the caller, not a value; where eager's CUDA kernels take them (abs of bools, an
+    fp16 clamp bound held in fp32), the same value."""
+    x = x.to(device)
+    try:
+        want = fn(x)
+    except (RuntimeError, NotImplementedError) as e:
+        with pytest.raises(type(e)):
+            fuser.fuse(fn)(x)
+        return
+    assert device == "cuda"  # CPU's kernels raise on all four
+    assert_close_to_eager(fuser.fuse(fn)(x), want)
+
+
+def test_a_clamp_bound_an_unsigned_dtype_wraps_stays_eager(device):
+    x = torch.arange(6, dtype=torch.uint8, device=device).reshape(2, 3)
+    fused = fuser.fuse(lambda x: (x * 2).clamp_min(-1) + 1)
+    assert torch.equal(fused(x), (x * 2).clamp_min(-1) + 1)  # -1 is 255 to eager: every value 0 after the + 1
+    assert "clamp_min" not in fused_ops(fused.report)
+    assert any("clamp bound outside" in u.reason for u in fused.report.unfused), fused.report
+
+
 def _attention(q, k, v, mask):
     return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask, -1) @ v
 
