@@ -83,6 +83,9 @@ def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
             return f"_rne_bf16({expr})"  # the interpreter truncates fp32 -> bf16 whatever it is asked
         if src.itemsize > dst.itemsize:
             return f'{expr}.to({TL_DTYPE[dst]}, fp_downcast_rounding="rtne")'
+    if src == torch.bfloat16 and interpreting():  # the interpreter's bf16 -> fp32 flushes subnormals: by bits
+        expr = f"((({expr}).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)"
+        return expr if dst == torch.float32 else convert(expr, torch.float32, dst)
     return f"{expr}.to({TL_DTYPE[dst]})"
 
 

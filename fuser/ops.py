@@ -143,14 +143,22 @@ def _int_divisor_nonzero(a: Args) -> list:
     return [Check(f"({a[1]} != 0)", "ZeroDivisionError", devices=("cpu",))]
 
 
+def _held(a: Args, i: int) -> str:
+    """Operand i as a value of the op's compute dtype, a number one too: a helper computing with a bare
+    literal would run Python's arithmetic on it (pow(0.0, x): Python's 1.0 / 0.0 raised)."""
+    if isinstance(a.node.args[i], torch.fx.Node):
+        return a[i]
+    return f"tl.full([], {a[i]}, {TL_DTYPE[compute_dtype(a.dtype)]})"
+
+
 def _pow_scalar(a: Args) -> str:
     x, e = a[0], a.node.args[1]
     known = {2: f"({x} * {x})", 3: f"({x} * {x} * {x})", 1: x, 0.5: f"tl.sqrt({x})",
              -0.5: f"tl.rsqrt({x})", -1: f"(1.0 / {x})", -2: f"(1.0 / ({x} * {x}))"}
     if e in known and (_is_float(a) or e in (1, 2, 3)):
         return known[e]
-    if e == 0:
-        return f"({x} * 0 + 1)"
+    if e == 0:  # 1 for every x, inf and NaN too (x * 0 + 1 was NaN there, and so x ** 1.0's gradient)
+        return f"tl.where({x} != {x}, 1.0, 1.0)" if _is_float(a) else f"({x} * 0 + 1)"
     if not _is_float(a):
         return f"_pow_int({x}, {x} * 0 + {literal(int(e))})"
     return f"_pow({x}, {literal(float(e))})"
@@ -191,7 +199,8 @@ def _arange(a: Args) -> str:
 def _gelu(a: Args) -> str:
     x = a[0]
     if a.kw("approximate", "none") == "tanh":
-        return f"(0.5 * {x} * (1.0 + _tanh(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))))"
+        tanh = "libdevice.tanh" if a.dtype == torch.float64 else "_tanh"  # _tanh is single-precision accurate
+        return f"(0.5 * {x} * (1.0 + {tanh}(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))))"
     return f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"
 
 
@@ -290,7 +299,7 @@ POINTWISE = {
     aten.gelu: P(_gelu), aten.erf: P(lambda a: f"tl.erf({a[0]})"),
     aten.erfc: P(lambda a: f"(1.0 - tl.erf({a[0]}))"),
     aten.pow: P(lambda a: _pow_scalar(a) if a.node.target == aten.pow.Tensor_Scalar
-                else f"_pow({a[0]}, {a[1]})" if _is_float(a) else f"_pow_int({a[0]}, {a[1]})"),
+                else f"_pow({_held(a, 0)}, {a[1]})" if _is_float(a) else f"_pow_int({a[0]}, {a[1]})"),
     aten.maximum: P(lambda a: f"_maximum({a[0]}, {a[1]})"), aten.minimum: P(lambda a: f"_minimum({a[0]}, {a[1]})"),
     aten.clamp: P(_clamp), aten.clamp_min: P(lambda a: _clamp_literal(a[0], a[1], None)),
     aten.clamp_max: P(lambda a: _clamp_literal(a[0], None, a[1])),
@@ -380,14 +389,23 @@ NAMED = {
 
 
 def _clamp_literal(x: str, lo, hi) -> str:
-    """x clamped to [lo, hi] (Triton source or Python numbers; None: no bound).  NaN stays NaN."""
-    if lo is not None:
-        lo = lo if isinstance(lo, str) else literal(lo)
-        x = f"tl.where({x} < {lo}, {lo}, {x})"
-    if hi is not None:
-        hi = hi if isinstance(hi, str) else literal(hi)
-        x = f"tl.where({x} > {hi}, {hi}, {x})"
+    """x clamped to [lo, hi] (Triton source or Python numbers; None: no bound).  NaN stays NaN, and a NaN
+    bound makes the result NaN, as eager's."""
+    for bound, cmp in ((lo, "<"), (hi, ">")):
+        if bound is None:
+            continue
+        b = bound if isinstance(bound, str) else literal(bound)
+        x = f"tl.where({x} {cmp} {b}, {b}, {x})"
+        if not _finite_number(b):  # a tensor, or a NaN literal
+            x = f"tl.where({b} != {b}, {b}, {x})"
     return x
+
+
+def _finite_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 # Helpers the generated kernels may call; emitted into a kernel's module only where it uses them.
@@ -505,8 +523,9 @@ def _rne_bf16(x):
     # fp32 -> bf16, rounding to nearest even by hand (Triton's interpreter truncates)
     b = x.to(tl.uint32, bitcast=True)
     b = b + 0x7FFF + ((b >> 16) & 1)
-    r = (b & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, r).to(tl.bfloat16)  # a NaN's mantissa would carry into its sign
+    b = tl.where(x != x, x.to(tl.uint32, bitcast=True) | 0x400000, b)  # a NaN's mantissa would carry into its sign
+    # the upper half as the bf16's bits (the interpreter's own conversion flushes subnormals to 0)
+    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 """,
     "_floordiv_float": """
 @triton.jit

@@ -139,7 +139,7 @@ def test_no_cycle_through_a_group_already_formed(device):
     args = [torch.randn(*s, generator=g).to(device) for s in ((37, 64), (37, 2, 64), (64, 64), (128, 64))]
     fused = fuser.fuse(f)
     assert_close_to_eager(fused(*args), f(*args))
-    assert fused.report.fallback is None and not fused.report.all_fallbacks, fused.report
+    assert not fused.report.all_fallbacks, fused.report
     assert {"sigmoid", "sum"} <= fused_ops(fused.report), fused.report
 
 

@@ -74,7 +74,9 @@ _EDGE_OPS = {
     "sigmoid": torch.sigmoid, "silu": F.silu, "relu": torch.relu, "leaky_relu": F.leaky_relu, "hardtanh": F.hardtanh,
     "hardswish": F.hardswish, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "erf": torch.erf,
     "x**3": lambda x: x ** 3, "x**-1": lambda x: x ** -1, "x**-3": lambda x: x ** -3, "x**(1/3)": lambda x: x ** (1 / 3),
-    "x**2.5": lambda x: x ** 2.5, "clamp": lambda x: x.clamp(-1, 1), "clamp_min": lambda x: x.clamp_min(0),
+    "x**2.5": lambda x: x ** 2.5, "x**0": lambda x: x ** 0, "0**x": lambda x: torch.pow(0.0, x),
+    "clamp": lambda x: x.clamp(-1, 1), "clamp_min": lambda x: x.clamp_min(0),
+    "clamp_by_tensor": lambda x: x.clamp(min=x.flip(-1)), "clamp_nan": lambda x: x.clamp(max=float("nan")),
     "sign": torch.sign, "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc, "round": torch.round,
     "frac": torch.frac, "asin": torch.asin, "atan": torch.atan, "sinh": torch.sinh, "asinh": torch.asinh,
     "atanh": torch.atanh, "elu": F.elu, "softplus": F.softplus, "mish": F.mish, "logsigmoid": F.logsigmoid,
@@ -97,14 +99,16 @@ def test_ops_at_signed_zeros_infinities_and_nan(dtype, device):
     +inf; round(-0.3) +0.0; a NaN rounded to bf16 by hand became -0.0; ones_like(x) was an int in a float
     kernel, so copysign(ones_like(x) * 2, x) read its bits)."""
     x = torch.tensor(_EDGES, dtype=dtype).repeat(3, 1).to(device)
-    ops = _EDGE_OPS
+    # a NaN clamp bound: CUDA's eager ignores it in clamp(min=) and clamp(max=) but not in clamp_min or clamp(lo,
+    # hi) (run 205); CPU's, and ours, give NaN
+    ops = {k: f for k, f in _EDGE_OPS.items() if not (k == "clamp_nan" and device == "cuda")}
 
     def fn(x):
         x = x * 1.0  # every op reads a value computed in the kernel, not only a load
         return tuple(f(x) * 1.0 for f in ops.values())
     fused = fuser.fuse(fn)
     got, want = fused(x), fn(x)
-    assert fused.report.fallback is None, fused.report
+    assert not fused.report.all_fallbacks, fused.report
     for name, g, w in zip(ops, got, want):
         assert_close_to_eager(g, w, equal_nan=True, msg=name)
         zero_or_inf = w.isinf() if name in _ZERO_SIGN_FREE else (w == 0) | w.isinf()
@@ -115,6 +119,37 @@ def test_ops_at_signed_zeros_infinities_and_nan(dtype, device):
     sixteen = dtype in (torch.float16, torch.bfloat16)
     assert ("nextafter" in fused_ops(fused.report)) != sixteen
     assert not sixteen or any("nextafter in a 16-bit dtype" in u.reason for u in fused.report.unfused)
+
+
+def test_bf16_subnormals_keep_their_values(device):
+    """bf16 values below 1.2e-38 (subnormal) loaded, computed on, cast and stored as eager's: Triton's
+    interpreter flushed them to 0 in its own bf16 <-> fp32 conversions (relu(1e-40) was 0; the CPU's kernels
+    convert by bits now)."""
+    x = torch.tensor([1e-40, -1e-40, 1e-39, -3e-39, 2.0, -3.5, float("inf"), -0.0, 1.0117], dtype=torch.bfloat16)
+    x = x.repeat(3, 1).to(device)
+
+    def fn(x):
+        return torch.relu(x * 2.0) * 0.5, x * 1e-39 * 2.0, (x * 1.0).float() * 1.0, (x.float() * 1.0001).bfloat16() * 1.0
+    fused = fuser.fuse(fn)
+    got, want = fused(x), fn(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1.6e-2, atol=0, equal_nan=True)
+    assert {"relu", "mul", "_to_copy"} <= fused_ops(fused.report) and not fused.report.all_fallbacks, fused.report
+
+
+def test_gradient_of_x_to_the_one_at_infinities(device):
+    """x ** 1.0's gradient is g * 1.0 * x ** 0.0: 1 at +-inf and NaN too (x * 0 + 1 made it NaN there)."""
+    x = torch.tensor([[float("inf"), -float("inf"), 2.0, 0.0, -0.0, -3.0, 0.5]], device=device).repeat(3, 1)
+    w = torch.randn(3, 7, generator=torch.Generator().manual_seed(2)).to(device)
+
+    def fn(x):
+        return ((x * 1.5) ** 1.0 * w).sum()
+    fused = fuser.fuse(fn)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, = torch.autograd.grad(fused(a), a)
+    want, = torch.autograd.grad(fn(b), b)
+    assert_close_to_eager(got, want)
+    assert "pow" in {o for r in fused.reports for o in fused_ops(r)}, fused.reports
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -142,7 +177,7 @@ def test_nan_through_min_max_with_a_0d_tensor(op, device):
     for a, b in ((s, x), (x, s), (nan_s, x)):
         fused = fuser.fuse(lambda a, b: op(a, b) * 2)
         assert_close_to_eager(fused(a, b), op(a, b) * 2, equal_nan=True)
-        assert fused.report.fallback is None and op.__name__ in fused_ops(fused.report), fused.report
+        assert not fused.report.all_fallbacks and op.__name__ in fused_ops(fused.report), fused.report
 
 
 def test_softmax_over_rows_all_minus_inf(device):
@@ -270,7 +305,7 @@ def test_sum_into_a_16_bit_dtype_rounds_each_element_first(dtype, width, device)
     got, want = fused(x, i), fn(x, i)
     assert_close_to_eager(got, want)
     assert want[0].isnan().all() == (dtype == torch.float16)
-    assert {"mul"} < fused_ops(fused.report) and fused.report.fallback is None, fused.report
+    assert {"mul"} < fused_ops(fused.report) and not fused.report.all_fallbacks, fused.report
 
 
 @pytest.mark.parametrize("fn, x", [
