@@ -113,6 +113,42 @@ def test_softcap_alibi_and_padding_with_fully_masked_rows(device):
     assert "not SDPA: aten.tanh on the scores" in _attention_regions(fused)[0].lowering
 
 
+@pytest.mark.parametrize("softcap", [False, True], ids=["sdpa", "ours"])
+@pytest.mark.parametrize("where", ["q", "k", "inf in k"])
+def test_nan_and_inf_in_q_k_v_reach_the_outputs_and_gradients_eager_puts_them_in(where, softcap, device):
+    """A NaN in one query row makes that row's output NaN; in one key, every row that sees it (the online max
+    must not skip a NaN score, as a GPU's fmax would); an inf in a key gives
+    inf - inf scores (NaN). Inference through SDPA (a causal mask) and our kernel (soft-capped); training
+    through our kernel and its backward."""
+    torch.manual_seed(3)
+    q, k, v = _qkv(device, m=29, n=41)
+    target = {"q": q, "k": k, "inf in k": k}[where]
+    target[1, 2, 7, 5] = float("inf") if where == "inf in k" else float("nan")
+    causal = torch.ones(29, 41, dtype=torch.bool, device=device).tril(12)
+
+    def attn(q, k, v):
+        s = torch.matmul(q, k.transpose(2, 3)) * 0.25
+        s = 20.0 * torch.tanh(s / 20.0) if softcap else s
+        return torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1) @ v
+
+    _check(attn, q, k, v, expect="triton" if softcap else "sdpa")  # NaN where eager's (equal_nan)
+    fused = fuser.fuse(attn)
+    args, refs = [t.clone().requires_grad_() for t in (q, k, v)], [t.clone().requires_grad_() for t in (q, k, v)]
+    out, ref = fused(*args), attn(*refs)
+    torch.testing.assert_close(out, ref, equal_nan=True, **TOL[q.dtype])
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(out)
+    got, want = torch.autograd.grad(out, args, g), torch.autograd.grad(ref, refs, g)
+    # where a gradient is NaN past the rows and keys eager's is may differ: eager's masked_fill passes 0 to a
+    # masked score, and 0 * NaN reaches dK in the NaN's one column there, where a kernel's tile has NaN
+    # throughout (SDPA's own kernels as ours); so: NaN in the same gradients, equal where both are numbers
+    for name, a, b in zip("qkv", got, want):
+        assert a.isnan().any() == b.isnan().any(), (where, "d" + name)
+        both = ~(a.isnan() | b.isnan())
+        torch.testing.assert_close(a[both], b[both], **TOL[q.dtype])
+    notes = [n for r in fused.reports for n in r.notes]
+    assert any("attention claimed before autograd (our kernel" in n for n in notes), notes  # a closure's mask: data
+
+
 def _random_keep(n: int, dtype, device) -> torch.Tensor:
     """A [1, 1, n, n] mask of no structure (True-ish = keep), every query keeping its own key."""
     keep = (torch.rand(1, 1, n, n, device=device) < 0.6).to(dtype)
