@@ -572,9 +572,15 @@ class RegionKernel(torch.nn.Module):
         src = variant.src
         if src.checks:  # interpreted kernels flag what eager raises on (see KernelWriter._check)
             flags = torch.zeros(len(src.checks), dtype=torch.int32, device=device)
+            # eager checks before it writes: an output that is someone's tensor (a cache the scatter writes in
+            # place, an input's buffer reused) is put back as it was where the call raises (CPU only: this
+            # path is interpreted)
+            saved = [(o, o.clone()) for o in outs]
             launcher(plan.programs, *inputs, *outs, flags, *sizes)
             for message, bad in zip(src.checks, flags.tolist()):
                 if bad:
+                    for o, before in saved:
+                        o.copy_(before)
                     raise EagerCheckError(f"{message} (in fuser kernel {self.name})")
         elif device.type == "cuda" and device.index != _current_device():
             with torch.cuda.device(device):

@@ -585,8 +585,9 @@ def test_a_cache_write_stays_eager_under_deterministic_algorithms(device):
 
 
 def test_a_cache_write_out_of_range_raises(device):
-    """An index past the cache raises, as eager's does (on CPU: the kernel flags it; on the GPU a
-    device-side assert, as eager's, ends the process, so not tested there)."""
+    """An index past the cache raises, as eager's does, the cache left as it was (on CPU: the kernel flags it,
+    and the launch puts back what its in-range lanes wrote; on the GPU a device-side assert, as eager's, ends
+    the process, so not tested there)."""
     if device != "cpu":
         pytest.skip("CUDA: eager and fuser both stop on a device-side assert, which ends the process")
     torch.manual_seed(0)
@@ -600,8 +601,10 @@ def test_a_cache_write_out_of_range_raises(device):
         for bad in ([37, 1], [2, -38]):
             with pytest.raises((RuntimeError, IndexError), match="out of bounds"):
                 m(q, k, v, torch.tensor(bad), cos, sin)
+            before = m.keys.clone()
             with pytest.raises(RuntimeError, match="index out of bounds for dimension 2 with size 37"):
                 fused(q, k, v, torch.tensor(bad), cos, sin)
+            assert torch.equal(m.keys, before)  # eager checks every index before it writes: nothing written
 
 
 class StaticLayer(torch.nn.Module):
