@@ -572,10 +572,9 @@ class RegionKernel(torch.nn.Module):
         src = variant.src
         if src.checks:  # interpreted kernels flag what eager raises on (see KernelWriter._check)
             flags = torch.zeros(len(src.checks), dtype=torch.int32, device=device)
-            # eager checks before it writes: an output that is someone's tensor (a cache the scatter writes in
-            # place, an input's buffer reused) is put back as it was where the call raises (CPU only: this
-            # path is interpreted)
-            saved = [(o, o.clone()) for o in outs]
+            # eager checks every index before it writes: a tensor a scatter stores into in place (a cache) is put
+            # back as it was where the call raises (CPU only: this path is interpreted)
+            saved = [(outs[j], outs[j].clone()) for j in self.scatters]
             launcher(plan.programs, *inputs, *outs, flags, *sizes)
             for message, bad in zip(src.checks, flags.tolist()):
                 if bad:
