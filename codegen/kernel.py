@@ -22,7 +22,7 @@ from fuser.region import PERSISTENT_MAX_R, Region
 
 aten = torch.ops.aten
 
-from fuser.dtypes import TL_DTYPE, compute_dtype, convert, interpreting, literal, math_import, target
+from fuser.dtypes import TL_DTYPE, compute_dtype, convert, interpreting, literal, math_import, target, wrapped
 
 
 X = sympy.Symbol("x", integer=True, nonnegative=True)
@@ -95,7 +95,7 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
             keep = kind.cast or pos in kind.raw_args or (meta(a).dtype == torch.bool and pos in kind.bool_args)
             rendered.append(v if keep else convert(v, dtypes[v], op_dt))
         elif isinstance(a, (bool, int, float)):
-            rendered.append(literal(a))
+            rendered.append(literal(wrapped(a, _promote(n.args)) if kind.wraps else a))
         else:
             rendered.append(a)
     args = ops.Args(n, rendered, index)

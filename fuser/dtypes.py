@@ -69,6 +69,15 @@ def literal(v) -> str:
     raise TypeError(f"no Triton literal for {v!r}")
 
 
+def wrapped(v, dtype: torch.dtype):
+    """An int scalar cast to integer `dtype` as C's casts do (modulo 2**bits: 1000 -> -24 in int8); any
+    other value, or a float or bool dtype, as it is."""
+    if not isinstance(v, int) or isinstance(v, bool) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return v
+    info = torch.iinfo(dtype)
+    return (v - info.min) % (info.max - info.min + 1) + info.min
+
+
 def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
     if src == dst:
         return expr

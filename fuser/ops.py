@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +22,7 @@ import sympy
 import torch
 
 from . import indexing as ix
-from .dtypes import TL_DTYPE, compute_dtype, convert, literal
+from .dtypes import TL_DTYPE, compute_dtype, convert, literal, wrapped
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -48,6 +49,7 @@ class Pointwise:
     bool_args: tuple = ()         # operand positions read as conditions (kept bool, not converted)
     checks: Callable | None = None  # (args: Args) -> list[Check]: what eager raises on
     raw_args: tuple = ()          # operand positions read in their own dtype, never converted (a seed)
+    wraps: bool = False           # an int scalar operand is cast to the common int dtype, wrapping (see _WRAPPING)
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,9 @@ def _is_float(a: Args) -> bool:
 
 
 def _alpha(a: Args, b: str) -> str:
-    alpha = a.kw("alpha", 1)
+    alpha, other = a.kw("alpha", 1), a.node.args[1]
+    if isinstance(other, int) and isinstance(alpha, int) and not a.dtype.is_floating_point:
+        return literal(wrapped(alpha * other, a.dtype))  # eager multiplies in the dtype, wrapping
     return b if alpha == 1 else f"({literal(alpha)} * {b})"
 
 
@@ -248,11 +252,11 @@ def _elu(a: Args) -> str:
 
 
 def _shift(a: Args, left: bool) -> str:
-    """Shifts by a negative amount or by the width or more: 0 to the left, the sign to the right
-    (the amount actually shifted by stays in range: LLVM leaves larger shifts undefined)."""
+    """Shifts by a negative amount or by the width or more: 0 to the left, the sign to the right (0 for
+    an unsigned dtype; the amount actually shifted by stays in range: LLVM leaves larger shifts undefined)."""
     x, n, bits = a[0], a[1], a.dtype.itemsize * 8
-    if left:
-        return f"tl.where({n} < 0, 0, tl.where({n} >= {bits}, 0, {x} << tl.where({n} < 0, 0, {n} % {bits})))"
+    if left or not a.dtype.is_signed:
+        return f"tl.where({n} < 0, 0, tl.where({n} >= {bits}, 0, {x} {'<<' if left else '>>'} tl.where({n} < 0, 0, {n} % {bits})))"
     return f"({x} >> tl.where({n} < 0, {bits - 1}, tl.where({n} >= {bits}, {bits - 1}, {n})))"
 
 
@@ -329,6 +333,7 @@ POINTWISE = {
                                        (aten.special_bessel_j0, "j0"), (aten.special_bessel_j1, "j1"),
                                        (aten.special_bessel_y0, "y0"), (aten.special_bessel_y1, "y1"))},
     aten.bitwise_left_shift: P(lambda a: _shift(a, True)), aten.bitwise_right_shift: P(lambda a: _shift(a, False)),
+    aten.__lshift__: P(lambda a: _shift(a, True)), aten.__rshift__: P(lambda a: _shift(a, False)),  # x << 2
     aten.gcd: P(lambda a: f"_gcd({a[0]}, {a[1]})"),
     aten.lcm: P(lambda a: f"_lcm({a[0]}, {a[1]})"),
     aten.angle: P(_angle),
@@ -355,6 +360,15 @@ POINTWISE = {
     aten.full: P(_fill), aten.full_like: P(_fill), aten.scalar_tensor: P(_fill),
     aten.arange: P(_arange),
 }
+
+
+# Eager's binary ops cast an int scalar to the tensors' common dtype as C's casts do, wrapping
+# (TensorIterator's wrapped number): int8 + 1000 adds -24, int8 > 1000 compares with -24.  Ops that
+# take the scalar as a bound or a value to store (clamp, masked_fill, full, pow) check it and raise.
+_WRAPPING = (aten.add, aten.sub, aten.rsub, aten.mul, aten.div, aten.remainder, aten.fmod, aten.floor_divide,
+             aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.bitwise_and, aten.bitwise_or,
+             aten.bitwise_xor, aten.bitwise_left_shift, aten.bitwise_right_shift, aten.__lshift__, aten.__rshift__)
+POINTWISE.update({op: dataclasses.replace(POINTWISE[op], wraps=True) for op in _WRAPPING})
 
 
 def dropout_expr(x: str, seed: str, index: str, p: float, offset: int) -> str:
@@ -978,9 +992,11 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     if (packet in (aten.argmax, aten.argmin) or packet is aten.abs and node.meta["val"].device.type == "cpu") \
             and _bool_operand(node):  # (CUDA's abs takes bools)
         return Opaque(f"{packet.__name__} of a bool tensor: eager raises (not implemented for 'Bool')")
-    if packet in (aten.clamp, aten.clamp_min, aten.clamp_max) and _bound_out_of_range(node):
+    if packet in (aten.clamp, aten.clamp_min, aten.clamp_max) and _out_of_range(node, (*node.args[1:], *node.kwargs.values())):
         return Opaque("a clamp bound outside the tensor's dtype: eager raises (it cannot be converted without "
                       "overflow) or, for an unsigned dtype, wraps it around")
+    if packet in (aten.add, aten.sub, aten.rsub) and _out_of_range(node, (node.kwargs.get("alpha", 1),)):
+        return Opaque("an alpha outside the tensor's dtype: eager raises (it cannot be converted without overflow)")
     if packet is aten.nextafter and node.meta["val"].dtype in (torch.float16, torch.bfloat16):
         return Opaque("nextafter in a 16-bit dtype: its step is the 16-bit format's, not fp32's (kernels compute "
                       "in fp32): left to eager")
@@ -1000,12 +1016,12 @@ def _bool_operand(node) -> bool:
     return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) and x.meta["val"].dtype == torch.bool
 
 
-def _bound_out_of_range(node) -> bool:
-    """Whether a number bound of clamp is one eager's conversion to the tensor's dtype refuses or wraps
-    (c10::overflows: past an int's range, or a negative one for an unsigned int; past a 16-bit float's
-    finite range on CPU: CUDA's kernel holds the bound in fp32)."""
+def _out_of_range(node, values) -> bool:
+    """Whether a number among `values` (a clamp's bounds, an alpha) is one eager's conversion to the result's
+    dtype refuses or wraps (c10::overflows: past an int's range, or a negative one for an unsigned int; past a
+    16-bit float's finite range on CPU: CUDA's kernel holds the bound in fp32)."""
     dtype, cpu = node.meta["val"].dtype, node.meta["val"].device.type == "cpu"
-    bounds = [b for b in (*node.args[1:], *node.kwargs.values()) if isinstance(b, (int, float)) and not isinstance(b, bool)]
+    bounds = [b for b in values if isinstance(b, (int, float)) and not isinstance(b, bool)]
     for b in bounds:
         if dtype.is_floating_point:
             if cpu and math.isfinite(b) and abs(b) > torch.finfo(dtype).max:

@@ -312,8 +312,9 @@ def test_sum_into_a_16_bit_dtype_rounds_each_element_first(dtype, width, device)
     (lambda b: torch.abs(b & b), torch.tensor([[True, False, True]])),
     (lambda b: (b & b).argmax(-1), torch.tensor([[True, False, True]])),
     (lambda h: (h * 2.0).clamp(max=1e5), torch.ones(3, 5, dtype=torch.float16)),
-    (lambda i: (i * 2).clamp_min(1000), torch.ones(3, 5, dtype=torch.int8))],
-    ids=["abs-bool", "argmax-bool", "clamp-past-fp16", "clamp-past-int8"])
+    (lambda i: (i * 2).clamp_min(1000), torch.ones(3, 5, dtype=torch.int8)),
+    (lambda i: torch.sub(i * 2, i, alpha=1000), torch.ones(3, 5, dtype=torch.int8))],
+    ids=["abs-bool", "argmax-bool", "clamp-past-fp16", "clamp-past-int8", "alpha-past-int8"])
 def test_what_eager_refuses_is_refused(fn, x, device):
     """Ops eager raises on (abs and argmax of bools, a clamp bound its dtype cannot hold) stay eager, so
     the same error reaches the caller, not a value; where eager's CUDA kernels take them (abs of bools, an
@@ -325,7 +326,7 @@ def test_what_eager_refuses_is_refused(fn, x, device):
         with pytest.raises(type(e)):
             fuser.fuse(fn)(x)
         return
-    assert device == "cuda"  # CPU's kernels raise on all four
+    assert device == "cuda"  # CPU's kernels raise on all five
     assert_close_to_eager(fuser.fuse(fn)(x), want)
 
 
@@ -335,6 +336,38 @@ def test_a_clamp_bound_an_unsigned_dtype_wraps_stays_eager(device):
     assert torch.equal(fused(x), (x * 2).clamp_min(-1) + 1)  # -1 is 255 to eager: every value 0 after the + 1
     assert "clamp_min" not in fused_ops(fused.report)
     assert any("clamp bound outside" in u.reason for u in fused.report.unfused), fused.report
+
+
+_WRAPPING_OPS = {
+    "add": lambda x: (x + 1) + 1000, "sub": lambda x: (x - 200) * 3, "rsub": lambda x: 200 - (x * 3),
+    "mul": lambda x: (x + 1) * -129, "and": lambda x: (x + 1) & 300, "xor": lambda x: (x + 1) ^ -300,
+    "shift": lambda x: ((x + 1) << 257) + ((x * 3) >> 1) + ((x - 1) >> -1), "floor_divide": lambda x: (x + 1) // 1000, "remainder": lambda x: (x + 1) % 1000,
+    "fmod": lambda x: torch.fmod(x + 1, -1000), "compare": lambda x: ((x + 1) > 1000) | ((x * 2) == 232),
+    "alpha": lambda x: torch.add(x + 1, 3, alpha=100), "past_int32": lambda x: (x + 1) + (2**40 + 7),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
+@pytest.mark.parametrize("op", sorted(_WRAPPING_OPS))
+def test_an_int_scalar_past_the_dtype_wraps_as_eagers(op, dtype, device):
+    """A Python int past the tensor's dtype is cast to it by eager's binary ops as C's casts do (int8 + 1000
+    adds -24; int8 > 1000 compares with -24): the kernel computes with the same value (it had made Triton
+    refuse the literal, and the graph ran eagerly).  Where eager raises instead (clamp, masked_fill, an
+    alpha of a tensor-tensor add), see test_what_eager_refuses_is_refused."""
+    fn = _WRAPPING_OPS[op]
+    info = torch.iinfo(dtype)
+    x = torch.randint(max(info.min, -1000), min(info.max, 1000), (3, 423), generator=torch.Generator().manual_seed(3),
+                      dtype=torch.int64).to(dtype).to(device)
+    try:
+        want = fn(x)
+    except RuntimeError as e:  # x // 1000 is x // 0 in uint8 (1000 % 256 = 232: not here) or a shift eager refuses
+        with pytest.raises(RuntimeError, match=str(e)[:20]):
+            fuser.fuse(fn)(x)
+        return
+    fused = fuser.fuse(fn)
+    got = fused(x)
+    assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+    assert fused.report.regions and not fused.report.all_fallbacks, fused.report
 
 
 def _attention(q, k, v, mask):
