@@ -37,6 +37,9 @@ class BlockPlan:
     persistent: bool   # the whole row in registers (reductions), else a loop over R
 
 
+COLUMN_TILE = (64, 4096, 8)  # a looped column reduction's columns a program, elements a tile, warps
+
+
 def block_plan(rows: int, r: int | None, device_type: str, column: bool = False) -> BlockPlan:
     """The launch config for `rows` rows (elements, for pointwise kernels: r None) of `r` reduced
     elements each, at the sizes of one call (kernels over symbolic sizes plan per call).  `column`:
@@ -49,8 +52,8 @@ def block_plan(rows: int, r: int | None, device_type: str, column: bool = False)
         return BlockPlan(xblock, 1, 4, cdiv(n, xblock), True)
     rows, r = max(rows, 1), max(r, 1)
     if column and not persistent_at(r, column):
-        xblock = min(next_pow2(rows), 64)
-        return BlockPlan(xblock, (16384 if cpu else 4096) // xblock, 8, cdiv(rows, xblock), False)
+        xblock = min(next_pow2(rows), COLUMN_TILE[0])
+        return BlockPlan(xblock, (16384 if cpu else COLUMN_TILE[1]) // xblock, COLUMN_TILE[2], cdiv(rows, xblock), False)
     if persistent_at(r):
         rblock = next_pow2(r)
         budget = 16384 if cpu else 4096  # elements per program

@@ -2,9 +2,9 @@
 
 A weight's or a bias's gradient sums a [tokens, D] tensor over its tokens.  One program per 64
 columns (block_plan's column tiles) gives D/64 programs: 32 for D = 2048 on an H100's 132 SMs,
-each looping over all 8192 rows.  Split S ways, the first sum runs S*D/64 programs over N/S rows
-each and writes [S, D] partials in fp32; the second sums those (a few KiB) and rounds once, as eager's
-single sum does.  Inductor splits such reductions the same way (its split reductions); here the split
+each looping over all 8192 rows; even D = 8192's 128 programs keep too few loads in flight.  Split S
+ways, the first sum runs S*D/64 programs over N/S rows each and writes [S, D] partials in fp32; the
+second sums those (a few KiB) and rounds once, as eager's single sum does.  Inductor splits such reductions the same way (its split reductions); here the split
 is a graph rewrite, so the partition fuses the prologue into the first sum and the cast into the second.
 Only where the sizes are static and the row count has a divisor near the wanted split.
 
@@ -33,6 +33,9 @@ from .region import COLUMN_MIN_WIDTH
 aten, prims = torch.ops.aten, torch.ops.prims
 COLUMNS_A_PROGRAM = 64  # block_plan's column tile
 MIN_ROWS_A_PART = 128   # fewer rows a part and the partials' traffic starts to count
+# programs the first sum runs: 4 a processor keep enough loads in flight (run 210, bench/column_sums.py, H200:
+# [8192, 2048] bf16 37.4 -> 30.4 us, 2 a processor before; 8 and 16 no better, and each part's partials cost)
+PROGRAMS_WANTED = 4 * NUM_SMS
 DEVICES = ("cuda",)     # where the split pays (tests add "cpu" to run it through the interpreter)
 
 
@@ -96,8 +99,8 @@ def _parts(n: fx.Node) -> int | None:
         return None  # not over leading dims only (a whole-tensor sum is a row reduction already)
     rows, columns = math.prod(xv.shape[:len(dims)]), math.prod(xv.shape[len(dims):])
     programs = -(-columns // COLUMNS_A_PROGRAM)
-    wanted = min(-(-2 * NUM_SMS // programs), rows // MIN_ROWS_A_PART)
-    if programs * 2 > NUM_SMS or wanted < 2:
+    wanted = min(-(-PROGRAMS_WANTED // programs), rows // MIN_ROWS_A_PART)
+    if wanted < 2:
         return None
     parts = next((s for s in range(wanted, 1, -1) if rows % s == 0), 1)
     return parts if parts * 4 >= wanted else None
