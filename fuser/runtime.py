@@ -1219,7 +1219,10 @@ def _returned_input(new):
     """The argument a call of our kernels returns as `new` (its output buffer), or None."""
     call, j = (new.args[0], new.args[1]) if new.target is operator.getitem else (new, 0)
     given = getattr(call.target, "returns_args", None) if call.op == "call_function" else None
-    return call.args[given.start + j] if given is not None and given.start + j < len(call.args) else None
+    if given is None:
+        return None
+    returned = range(len(call.args))[given]  # an empty slice (a kernel over symbolic sizes): it returns new memory
+    return call.args[returned[j]] if j < len(returned) else None
 
 
 def updated_in_place(new):

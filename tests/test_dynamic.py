@@ -1,6 +1,7 @@
 """Kernels over symbolic sizes: what Dynamo marks dynamic (automatic dynamic, dynamic=True,
 mark_dynamic) stays symbolic in the kernels, so a model called at many lengths compiles a bounded
 number of graphs, matches eager every time and runs fused kernels every time."""
+import copy
 import math
 
 import pytest
@@ -338,3 +339,46 @@ def test_argmax_over_a_dynamic_row_length_stays_eager(device):
         report = fuser.last_report()
         assert not report.fallback, report
     assert any("argmax over a row length that may pass" in u.reason for u in report.unfused), report.unfused
+
+
+class _Ema(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        self.ema.copy_(self.ema * 0.9 + 0.1 * x.mean(0))
+        return x * 2 + 1
+
+
+def _mutates_its_inputs(x, y):
+    x.mul_(2).add_(1)
+    y[:, 0] = x.sum(1)
+    return x.exp()[:, :2], y.t()
+
+
+@pytest.mark.parametrize("case", ["ema", "batch_norm_stats", "inputs"])
+def test_writes_into_buffers_and_inputs_at_symbolic_sizes(case, device):
+    """A buffer updated in place (an EMA, BatchNorm's running statistics recalibrated under no_grad) or an
+    input the program writes into keeps every write at the second and third sizes, where the kernels are
+    made over symbolic sizes (their outputs new memory: the write back into the buffer had been dropped as
+    if a kernel had stored into it)."""
+    torch.manual_seed(0)
+    if case == "inputs":
+        fused = fuser.fuse(_mutates_its_inputs)
+        for n in (5, 7, 9):
+            x, y = torch.randn(n, 6, device=device), torch.randn(n, 3, device=device)
+            xr, yr = x.clone(), y.clone()
+            assert_close_to_eager(fused(x, y), _mutates_its_inputs(xr, yr))
+            assert_close_to_eager((x, y), (xr, yr))
+        assert fused.report.regions and not fused.report.all_fallbacks, fused.report
+        return
+    model = (_Ema() if case == "ema" else nn.BatchNorm2d(4).train()).to(device)
+    twin = copy.deepcopy(model)
+    fused = fuser.fuse(model)
+    with torch.no_grad():
+        for shape in ((5, 8), (7, 8), (9, 8)) if case == "ema" else ((3, 4, 5, 7), (2, 4, 3, 3), (5, 4, 6, 2)):
+            x = torch.randn(shape, device=device)
+            assert_close_to_eager(fused(x), twin(x))
+            assert_close_to_eager(list(model.buffers()), list(twin.buffers()))
+    assert fused.report.regions and not fused.report.all_fallbacks, fused.report
