@@ -256,6 +256,9 @@ class ComputeGraph:
                     return ops.Opaque(f"operand dtype {meta(a).dtype} has no Triton lowering here")
                 if meta(a).device != v.device and meta(a).dim() > 0:
                     return ops.Opaque("operands on another device")
+                if (meta(a).is_neg() or meta(a).is_conj()) and not self.fusible(a):
+                    return ops.Opaque("an operand is a view by the negative or conjugate bit (`conj().imag`), which "
+                                      "a kernel reading its memory would not apply: eager resolves it")
         if isinstance(kind, ops.Scatter):
             for a in operands(n):
                 if meta(a) is None or meta(a).dtype not in TL_DTYPE or meta(a).device != v.device:

@@ -282,6 +282,7 @@ POINTWISE = {
     aten.mul: P(_mul), aten.div: P(_div_mode, checks=_int_divisor_nonzero), aten.true_divide: P(lambda a: f"({a[0]} / {a[1]})"),
     # Triton's unary minus is 0 - x, which gives +0.0 for 0.0: floats negate by * -1 (IEEE's -0.0)
     aten.neg: P(lambda a: f"({a[0]} * -1.0)" if _is_float(a) else f"(-{a[0]})"),
+    aten._neg_view: P(lambda a: f"({a[0]} * -1.0)"),  # a view by the negative bit (`conj().imag`): its value
     aten.abs: P(lambda a: f"tl.abs({a[0]})"),
     aten.reciprocal: P(lambda a: f"(1.0 / {a[0]})"),
     aten.sqrt: P(lambda a: f"tl.sqrt({a[0]})"), aten.rsqrt: P(lambda a: f"tl.rsqrt({a[0]})"),

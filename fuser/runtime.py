@@ -930,6 +930,8 @@ def _view_site(n):
         return None
     if StorageWeakRef(v.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
         return None  # a reshape (or flatten) that copied where it was traced: not a view of base
+    if any(t.is_conj() or t.is_neg() for t in (v, b)):
+        return None  # conj() and _neg_view are views by a bit the reinterpretation would drop
     return base, step
 
 

@@ -370,6 +370,49 @@ def test_an_int_scalar_past_the_dtype_wraps_as_eagers(op, dtype, device):
     assert fused.report.regions and not fused.report.all_fallbacks, fused.report
 
 
+class _ComplexRope(torch.nn.Module):
+    """Meta's LLaMA rotation: a complex table multiplied in (its backward multiplies by the table's conj())."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8, bias=False)
+        self.freqs_cis = torch.polar(torch.ones(16, 4), torch.randn(16, 4, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x):
+        t = x.shape[1]
+        q = torch.view_as_complex(self.lin(x).reshape(*x.shape[:-1], 4, 2))
+        y = torch.view_as_real(q * self.freqs_cis[:t].view(1, t, 4)).flatten(2)
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _conjugated(x, w):
+    c = (torch.view_as_complex(x.sin() * 2) * w[:4]).conj()
+    return c.imag * 3 + 1, torch.view_as_real(c.resolve_conj()) * 2 + 1, torch.view_as_real(
+        torch.view_as_complex(x * 2) * w[:4].conj()) * 3 + 1
+
+
+def test_views_by_the_conjugate_and_negative_bits(device):
+    """conj() and `.imag` of a conjugate are views by a bit (aten._conj, aten._neg_view): a kernel reads the
+    memory, so the bit must be applied (the negation lowered, or the operand left to eager), never dropped
+    by a view's reinterpretation.  Found by a helper's sweep: Meta's LLaMA rotation trained with gradients
+    rotated the wrong way (the backward's freqs.conj()), conj().imag read with its sign flipped."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 4, 2, device=device), torch.polar(torch.ones(6), torch.randn(6)).to(device)
+    fused = fuser.fuse(_conjugated)
+    with torch.no_grad():
+        assert_close_to_eager(fused(x, w), _conjugated(x, w))
+    assert fused.report.regions and not fused.report.all_fallbacks, fused.report
+    model = _ComplexRope().to(device)
+    model.freqs_cis = model.freqs_cis.to(device)
+    x, g = torch.randn(2, 5, 8, device=device), torch.randn(2, 5, 8, device=device)
+    model(x).mul(g).sum().backward()
+    want, model.lin.weight.grad = model.lin.weight.grad.clone(), None
+    fused = fuser.fuse(model)
+    fused(x).mul(g).sum().backward()
+    assert_close_to_eager(model.lin.weight.grad, want)
+    assert any(r.regions for r in fused.reports), fused.reports
+
+
 def _attention(q, k, v, mask):
     return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask, -1) @ v
 
