@@ -421,19 +421,39 @@ class TritonPrinter(StrPrinter):
 
     _print_PythonMod = _print_Mod  # torch's name for Python's `%` on sizes
 
+    # Sizes computed in floats (`int(1.25 * n / 4)`, interpolate's `floor(1.5 * h)`): fp64 as Python's float,
+    # rounded to an int as Python's int(), floor(), ceil(); a ratio of ints exactly, by integer division.
     def _print_FloorToInt(self, e):
-        return self._print(FloorDiv(*self._int_ratio(e)))
-
-    def _print_CeilToInt(self, e):  # ceil(a / b) = -floor(-a / b)
-        a, b = self._int_ratio(e)
-        return self._print(-FloorDiv(-a, b))
-
-    def _int_ratio(self, e) -> tuple:
-        """(a, b) of floor or ceil of a / b over integers (torch's IntTrueDiv); other float math has no
-        integer form here (codegen then leaves the region to eager, with the reason)."""
         (arg,) = e.args
         if isinstance(arg, IntTrueDiv):
-            return arg.args
+            return self._print(FloorDiv(*arg.args))
+        return self._to_int(f"tl.floor({self._print(arg)})")
+
+    def _print_CeilToInt(self, e):  # ceil(a / b) = -floor(-a / b)
+        (arg,) = e.args
+        if isinstance(arg, IntTrueDiv):
+            a, b = arg.args
+            return self._print(-FloorDiv(-a, b))
+        return self._to_int(f"tl.ceil({self._print(arg)})")
+
+    def _print_TruncToInt(self, e):
+        return self._to_int(self._print(e.args[0]))
+
+    def _to_int(self, x: str) -> str:
+        return f"tl.cast({x}, tl.int64)"  # C's conversion truncates toward zero, as Python's int()
+
+    def _print_ToFloat(self, e):
+        return f"tl.cast({self._print(e.args[0])}, tl.float64)"
+
+    def _print_FloatTrueDiv(self, e):
+        return f"({self._operand(e.args[0])} / {self._operand(e.args[1])})"
+
+    def _print_Float(self, e):
+        return repr(float(e))
+
+    def _print_Function(self, e):
+        """Any other function of sizes (sqrt, round...): no form here; the region stays eager with the
+        reason (printed as written it would be a NameError at run time, and the graph eager)."""
         raise ValueError(f"no integer form for {e}")
 
     def _print_PowByNatural(self, e):
@@ -484,6 +504,22 @@ class PythonPrinter(TritonPrinter):
 
     def _print_PowByNatural(self, e):
         return f"({self._operand(e.args[0])} ** {self._operand(e.args[1])})"
+
+    def _print_FloorToInt(self, e):
+        if isinstance(e.args[0], IntTrueDiv):
+            return TritonPrinter._print_FloorToInt(self, e)
+        return f"int({self._operand(e.args[0])} // 1)"
+
+    def _print_CeilToInt(self, e):
+        if isinstance(e.args[0], IntTrueDiv):
+            return TritonPrinter._print_CeilToInt(self, e)
+        return f"-int(-{self._operand(e.args[0])} // 1)"
+
+    def _to_int(self, x: str) -> str:
+        return f"int({x})"
+
+    def _print_ToFloat(self, e):
+        return f"float({self._print(e.args[0])})"
 
     def _print_Max(self, e):
         return f"max({', '.join(self._print(a) for a in e.args)})"

@@ -382,3 +382,27 @@ def test_writes_into_buffers_and_inputs_at_symbolic_sizes(case, device):
             assert_close_to_eager(fused(x), twin(x))
             assert_close_to_eager(list(model.buffers()), list(twin.buffers()))
     assert fused.report.regions and not fused.report.all_fallbacks, fused.report
+
+
+_FLOAT_SIZES = {
+    "interpolate nearest x1.5": (lambda x: F.interpolate(x, scale_factor=1.5, mode="nearest").exp() * 2,
+                                 lambda n: (torch.randn(2, 3, n, n + 2),)),
+    "interpolate bilinear x1.5": (lambda x: F.interpolate(x * 2, scale_factor=1.5, mode="bilinear").sin(),
+                                  lambda n: (torch.randn(2, 3, n, n),)),
+    "slice to int(0.7 * T)": (lambda x: (x * 2)[..., :int(0.7 * x.shape[-1])].cos() + 1, lambda n: (torch.randn(3, n),)),
+    "one_hot to a capacity": (lambda x, i: F.one_hot(i.clamp(max=int(1.25 * x.shape[0] / 4)), int(1.25 * x.shape[0] / 4) + 1)
+                              .float() * x[:, None], lambda n: (torch.randn(3 * n), torch.randint(0, 8, (3 * n,)))),
+}
+
+
+@pytest.mark.parametrize("case", list(_FLOAT_SIZES))
+def test_sizes_computed_in_floats(case, device):
+    """Sizes a program computes in floats (`int(0.7 * T)`, interpolate's floor(1.5 * H), an expert capacity):
+    symbolic from the second size on, printed as Python's float arithmetic (fp64 in a kernel) and rounded as
+    int(), floor() and ceil() are (they were printed as written: a NameError, and the graph ran eagerly)."""
+    fn, make = _FLOAT_SIZES[case]
+    fused = fuser.fuse(fn)
+    for n in (10, 7, 13):
+        args = [a.to(device) for a in make(n)]
+        assert_close_to_eager(fused(*args), fn(*args))
+        assert fused.report.regions and not fused.report.all_fallbacks, fused.report
