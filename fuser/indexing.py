@@ -105,7 +105,7 @@ class Sizes:
         d, e = expr(d), expr(e)
         if d.is_Integer and e.is_Integer:
             return int(d) != 0 and int(e) % int(d) == 0
-        num, den = sympy.fraction(sympy.cancel(e / d))
+        num, den = sympy.fraction(sympy.together(sympy.cancel(e / d)))  # together: (2s - 1) / 2 is s - 1/2
         return den == 1 or den == -1
 
 
@@ -194,6 +194,8 @@ def value_range(e, ranges: dict) -> tuple:
         if sizes.nonneg(a) and sizes.lt(FloorDiv(b, d), m):
             return FloorDiv(a, d), FloorDiv(b, d)
         return sympy.Integer(0), m - 1
+    if isinstance(e, sympy.Mod) and sizes.lt(0, e.args[1]):  # Python's remainder: the divisor's sign
+        return sympy.Integer(0), e.args[1] - 1
     raise ValueError(f"unsupported index expression {e}")
 
 
@@ -244,9 +246,7 @@ def floordiv(e, d, ranges: dict):
     if single and sizes.lt(0, single[0]) and sizes.divides(single[0], d) and sizes.nonneg(lo):
         c, t = single
         return whole + _floordiv_atom(t, sympy.cancel(d / c), ranges)
-    if not sizes.nonneg(lo):
-        raise ValueError(f"index {rest} // {d} may be negative")
-    return whole + FloorDiv(rest, d)
+    return whole + FloorDiv(rest, d)  # printed with Python's rounding where rest may be negative
 
 
 def _floordiv_atom(t, d, ranges: dict):
@@ -279,8 +279,8 @@ def modulo(e, m, ranges: dict):
     if single and sizes.lt(0, single[0]) and sizes.divides(single[0], m) and sizes.nonneg(lo):
         c, t = single
         return c * _modulo_atom(t, sympy.cancel(m / c), ranges)
-    if not sizes.nonneg(lo):
-        raise ValueError(f"index {rest} % {m} may be negative")
+    if not sizes.nonneg(lo):  # (a flip's `W - 1 - w` under a pixel shuffle's `% 2`): Python's remainder, as
+        return sympy.Mod(rest, m)  # sympy's Mod is and the printers print it; ModularIndexing is C's `%`
     return ModularIndexing(rest, 1, m)
 
 

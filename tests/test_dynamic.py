@@ -406,3 +406,17 @@ def test_sizes_computed_in_floats(case, device):
         args = [a.to(device) for a in make(n)]
         assert_close_to_eager(fused(*args), fn(*args))
         assert fused.report.regions and not fused.report.all_fallbacks, fused.report
+
+
+def test_a_flip_under_a_pixel_shuffle_at_symbolic_sizes(device):
+    """The flip's `W - 1 - w` under the shuffle's `% 2` and `// 2` may be negative over symbolic sizes: Python's
+    remainder and floor there (the region had been left to eager), and `2 * s - 1` is not a multiple of 2
+    (the divisibility test read (2s - 1) / 2 as s - 1/2, a polynomial: a rational in the index)."""
+    def fn(h):
+        u = F.pixel_shuffle(h, 2)
+        return (u + torch.flip(u, dims=[-1])).exp()
+    fused = fuser.fuse(fn)
+    for shape in ((2, 8, 6, 10), (3, 8, 4, 6), (1, 8, 5, 3)):
+        x = torch.randn(shape, device=device)
+        assert_close_to_eager(fused(x), fn(x))
+        assert [r.kind for r in fused.report.regions] == ["pointwise"] and not fused.report.all_fallbacks, fused.report
