@@ -32,7 +32,10 @@ def _table() -> dict:
     # the mutating `_native_batch_norm_legit`, which must decompose too, functionally in eval); the
     # backward ones (native_batch_norm_backward, native_group_norm_backward) are core decompositions.
     # `repeat` (InstanceNorm repeats its affine per sample) becomes expand + reshape: index math.
+    # linalg_vector_norm (weight_norm's ||v||, clip-by-norm) and adaptive average pooling (a global pool, or
+    # windows of a divisible size: a mean; ragged ones gathers) are pointwise ops and sums too.
     table.update(get_decompositions([
+        aten.linalg_vector_norm, aten._adaptive_avg_pool2d,
         aten.native_layer_norm, aten._softmax, aten._log_softmax, aten.repeat,
         aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
         aten._native_batch_norm_legit_functional, aten._batch_norm_with_update_functional,
@@ -40,6 +43,7 @@ def _table() -> dict:
     table[aten.native_group_norm.default] = native_group_norm
     table[aten.native_group_norm_backward.default] = native_group_norm_backward
     table[aten.copy.default] = copy
+    table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten.mm.default] = table[aten.bmm.default] = outer_product
     for op in [*ops.KEEP_WHOLE, aten.baddbmm]:  # baddbmm: one cuBLAS call (BLOOM's scores: see patterns)
         for overload in op.overloads():
@@ -85,6 +89,39 @@ def native_group_norm_backward(dy, x, mean, rstd, weight, n: int, c: int, hw: in
     if mask[2]:
         db = torch.sum(dy, dim=[0, 3]).reshape(c).to(out_dtype)
     return dx, dw, db
+
+
+def adaptive_avg_pool2d_backward(grad, x):
+    """The gradient of adaptive average pooling as index math and a small sum, so it fuses with what reads
+    it (a ResNet's global pool: its [N, C, 1, 1] gradient broadcast over H x W, divided by H*W, straight into
+    ReLU's gradient).  torch has no decomposition of it.  Each input pixel takes the gradients of the output
+    windows it lies in, over each window's area: windows of a divisible size are a broadcast; ragged ones (they
+    may overlap) a sum over the few output windows (at most 16) of a mask of which hold the pixel."""
+    h, w = x.shape[-2:]
+    oh, ow = grad.shape[-2:]
+    if not all(isinstance(v, int) for v in (h, w, oh, ow)):
+        return NotImplemented
+    if h % oh == 0 and w % ow == 0:
+        kh, kw = h // oh, w // ow
+        g = (grad / (kh * kw))[..., :, None, :, None].expand(*grad.shape[:-2], oh, kh, ow, kw)
+        return g.reshape(x.shape).to(x.dtype).contiguous(memory_format=torch.channels_last if
+                                                            x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+                                                            and not x.is_contiguous() else torch.contiguous_format)
+    if oh * ow > 16:
+        return NotImplemented
+
+    def windows(n_in: int, n_out: int):  # [n_out, n_in]: whether input i lies in output window o, and sizes
+        o = torch.arange(n_out, device=x.device)
+        start, end = (o * n_in) // n_out, -((-(o + 1) * n_in) // n_out)
+        i = torch.arange(n_in, device=x.device)
+        inside = (i[None, :] >= start[:, None]) & (i[None, :] < end[:, None])
+        return inside, end - start
+    in_h, size_h = windows(h, oh)
+    in_w, size_w = windows(w, ow)
+    area = (size_h[:, None] * size_w[None, :]).to(grad.dtype)  # [oh, ow]
+    g = (grad / area)[..., :, :, None, None]  # [..., oh, ow, 1, 1]
+    mask = (in_h[:, None, :, None] & in_w[None, :, None, :]).to(grad.dtype)  # [oh, ow, h, w]
+    return (g * mask).sum((-4, -3)).to(x.dtype)
 
 
 def outer_product(a, b):

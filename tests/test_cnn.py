@@ -278,3 +278,29 @@ def test_norm_training(device, name, layout):
         # share one kernel
         assert len(back.regions) <= 2 and (len(back.regions) == 1 or len(back.regions[-1].output_shapes) == 2), back
         assert not [u for u in back.unfused if "sum" in u.op or "add" in u.op], back.unfused
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("size", [(1, 1), (3, 2), (13, 11)], ids=["global", "ragged", "identity"])
+def test_adaptive_average_pool_fuses_forward_and_backward(device, layout, size):
+    """Adaptive average pooling (a ResNet's global pool, windows of a ragged size over 13x11) decomposes
+    into sums and gathers the kernels take, with the ReLU before it and the scale after, in the forward
+    and in the backward (its own eager kernel before); gradients as eager's."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 12, 13, 11, device=device)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+
+    def fn(x):
+        return nn.functional.adaptive_avg_pool2d(x.relu() * 2, size).flatten(1) * 3 + 1
+    fused = fuser.fuse(fn)
+    xs = [x.detach().clone().requires_grad_() for _ in range(2)]
+    g = torch.randn(3, 12 * size[0] * size[1], device=device)
+    out, want = fused(xs[0]), fn(xs[1])
+    torch.testing.assert_close(out, want, **tol(torch.float32))
+    out.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, **tol(torch.float32))
+    ops = {o for r in fused.reports for reg in r.regions for o in reg.ops}
+    assert not any("adaptive" in o for o in ops | {u.op for r in fused.reports for u in r.unfused}), fused.reports
+    assert all(r.regions and not r.all_fallbacks for r in fused.reports), fused.reports

@@ -750,6 +750,17 @@ def test_any(dtype, dims, keepdim, mk):
     check(fn, x, ops=["aten.any"])
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=_dt)
+@pytest.mark.parametrize("ord_", [2, 1, 3.5, float("inf"), -float("inf"), 0])
+def test_vector_norm(ord_, dtype, mk):
+    """linalg.vector_norm (weight_norm's ||v||, gradient clipping's) decomposes into the ops fused around it:
+    every order over the last dim, a middle dim kept, and all elements; NaN where eager gives it."""
+    x = mk.randn(*SHAPE3, dtype=dtype, domain="special" if ord_ == 2 and dtype == torch.float32 else None)
+    check(lambda t: (torch.linalg.vector_norm(t * 2, ord_, dim=-1) + 1,
+                     torch.linalg.vector_norm(t.sin(), ord_, dim=1, keepdim=True) * t,
+                     torch.linalg.vector_norm(t * 3, ord_)), x, ops=["aten.mul"], gone=["vector_norm"])
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=_dt)
 @pytest.mark.parametrize("name", ["sum", "amax", "amin"])
 def test_int_reductions(name, dtype, mk):
