@@ -199,8 +199,8 @@ def tile_classes(E, e_sb, e_sh, e_sm, e_sn, CLASS, SEEN, H, M, N, T_M, T_N,
     mb = t // T_N
     nb = t % T_N
     base = E + (bh // H).to(tl.int64) * e_sb + (bh % H).to(tl.int64) * e_sh
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (mb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # a mask of 2**31 elements or more: 64-bit offsets
+    cols = (nb * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     ok = (rows[:, None] < M) & (cols[None, :] < N)
     masked, kept = _classes(tl.load(base + rows[:, None] * e_sm + cols[None, :] * e_sn, mask=ok, other=0), KIND)
     all_masked = tl.min(tl.min((masked | (ok == 0)).to(tl.int32), 1), 0)
@@ -488,6 +488,7 @@ def attention_fwd(
     stride_ob, stride_oh, stride_om, stride_od,
     H, GROUP, M, N, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     start_m = {start_m}
     bh = tl.program_id(1)
@@ -502,8 +503,9 @@ def attention_fwd(
 {_indent(extra_bases, 4)}
     {"seed = tl.load(SEED)  # dropout's" if dropout else "# no dropout: SEED unused"}
 
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+{_indent(WIDE_ARANGES, 4)}
+    offs_m = start_m * BLOCK_M + ar_m
+    offs_n = ar_n
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q_idx = offs_m[:, None]
@@ -570,6 +572,19 @@ def _extra_args(extras, mod: ScoreMod, B: int, Hq: int, M: int, N: int, block_m:
     return args, launches
 
 
+# The tiles' row and column offsets, 64-bit where an operand's offsets pass 2**31 (a [B, M, H, D] layout at M of
+# half a million, a [B, 1, M, N] mask at 46341 squared): an int32 offset times a stride would wrap there.
+WIDE_ARANGES = ["ar_m = tl.arange(0, BLOCK_M)", "ar_n = tl.arange(0, BLOCK_N)",
+                "if WIDE:  # some operand's offsets pass 2**31: index math in 64 bits",
+                "    ar_m = ar_m.to(tl.int64)", "    ar_n = ar_n.to(tl.int64)"]
+
+
+def wide(*tensors) -> bool:
+    """Whether some tensor's element offsets (its own strides) reach 2**31: the kernels' WIDE."""
+    return any(sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31
+               for t in tensors if isinstance(t, torch.Tensor) and t.numel())
+
+
 def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse: bool = False, seed=None, out=None,
             lists_cache=None, same_value=None):
     """Host side of one launch of ``attention_source(mod, D, dtype)``: checks the operands, allocates the output
@@ -603,5 +618,5 @@ def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse
     args = (q, k, v, out, lse, out if seed is None else seed, *extra_args, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             Hq, Hq // Hkv, M, N, float(scale))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32", STORE_LSE=return_lse,
-                num_warps=num_warps, num_stages=num_stages)
+                WIDE=wide(q, k, v, out, *extras), num_warps=num_warps, num_stages=num_stages)
     return out, (lse if return_lse else None), grid, args, meta, first

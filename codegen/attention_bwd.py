@@ -20,7 +20,8 @@ import torch
 from fuser.dtypes import interpreting, math_import
 from fuser.plan import attention_bwd_plan, cdiv, next_pow2
 
-from .attention import _LOG2E, _TL_DTYPE, ScoreMod, _extra_args, _extra_lines, _indent, over_tiles, probability_dropout
+from .attention import (WIDE_ARANGES, _LOG2E, _TL_DTYPE, ScoreMod, _extra_args, _extra_lines, _indent, over_tiles,
+                        probability_dropout, wide)
 
 __all__ = ["attention_bwd_source", "prepare_bwd"]
 
@@ -131,7 +132,8 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     H, GROUP, M, N, STATS, SPLIT, scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC: tl.constexpr,"""
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+    WIDE: tl.constexpr,"""
     # per query head: its Q, dO, statistics and extras (the dK/dV program walks the heads of its K/V head)
     per_head = f"""b64 = b_idx.to(tl.int64)
 h64 = h_idx.to(tl.int64)
@@ -139,11 +141,11 @@ q_base = Q + b64 * stride_qb + h64 * stride_qh
 do_base = DO + b64 * stride_ob + h64 * stride_oh
 row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima, then the logs of the row sums
 {chr(10).join(extra_bases)}""".split("\n")
-    common = ["stats = STATS  # B*Hq*M: LSE's second half, the logs of the row sums", "offs_d = tl.arange(0, BLOCK_D)",
+    common = ["stats = STATS  # B*Hq*M: LSE's second half, the logs of the row sums", *WIDE_ARANGES, "offs_d = tl.arange(0, BLOCK_D)",
               "d_ok = offs_d < HEAD_DIM"] + (["seed = tl.load(SEED)  # dropout's, as the forward's"] if dropout else [])
 
     def dkdv_body(full: bool) -> list[str]:
-        return [*q_tiles("start_m + tl.arange(0, BLOCK_M)", full), *scores(full),
+        return [*q_tiles("start_m + ar_m", full), *scores(full),
                 f"dv += tl.dot(tl.trans({'p_kept' if dropout else 'p'}.to({low})), do, input_precision=DOT_PRECISION)",
                 f"dk += tl.dot(tl.trans(ds.to({low})), q, input_precision=DOT_PRECISION)"]
 
@@ -152,7 +154,7 @@ row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima
         # broadcasts; each tile once, here, where the program owns its query rows
         bias = [f"tl.atomic_add(db{i}_base + q_idx * db{i}_s2 + k_idx * db{i}_s3, "
                 f"tl.where(p == 0.0, 0.0, p * (dp - delta[:, None]) * g{i}), mask=q_ok & k_ok)" for i, _ in mod.bias_grads]
-        return [*k_tiles("start_n + tl.arange(0, BLOCK_N)", full), *scores(full),
+        return [*k_tiles("start_n + ar_n", full), *scores(full),
                 f"dq += tl.dot(ds.to({low}), tl.trans(kT), input_precision=DOT_PRECISION)", *bias]
 
     if mod.data_mask:  # the tiles the data mask keeps (whole, then in part), listed per call; the rest skipped
@@ -179,7 +181,7 @@ row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima
             "bkv = tl.program_id(1) // SPLIT  # (batch, K/V head)", "HKV = H // GROUP", "b_idx = bkv // HKV",
             "kv64 = (bkv % HKV).to(tl.int64)", "k_base = K + b_idx.to(tl.int64) * stride_kb + kv64 * stride_kh",
             "v_base = V + b_idx.to(tl.int64) * stride_vb + kv64 * stride_vh", *common,
-            "start_n = tl.program_id(0) * BLOCK_N"] + k_tiles("start_n + tl.arange(0, BLOCK_N)", False) + [
+            "start_n = tl.program_id(0) * BLOCK_N"] + k_tiles("start_n + ar_n", False) + [
         "dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)", "dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)",
         "for grp in range(part * (GROUP // SPLIT), (part + 1) * (GROUP // SPLIT)):  # query heads reading this K/V head",
         "    h_idx = (bkv % HKV) * GROUP + grp", "    bh = b_idx * H + h_idx",
@@ -194,7 +196,7 @@ row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima
     dq = ["bh = tl.program_id(1)", "b_idx = bh // H", "h_idx = bh % H", "kv64 = (h_idx // GROUP).to(tl.int64)",
           "k_base = K + b_idx.to(tl.int64) * stride_kb + kv64 * stride_kh",
           "v_base = V + b_idx.to(tl.int64) * stride_vb + kv64 * stride_vh", *per_head, *common,
-          "start_m = tl.program_id(0)"] + q_tiles("start_m * BLOCK_M + tl.arange(0, BLOCK_M)", False) + [
+          "start_m = tl.program_id(0)"] + q_tiles("start_m * BLOCK_M + ar_m", False) + [
         "dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)", *dq_loops,
         f"tl.store(DQ + (bh.to(tl.int64) * M + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], (dq * scale).to({_TL_DTYPE[dtype]}), "
         "mask=q_ok & d_ok[None, :])  # [B, Hq, M, D], Q's dtype"]
@@ -241,7 +243,7 @@ def attention_bwd_delta(O, DO, DELTA, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, 
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # dO strided past 2**31: 64-bit offsets
     cols = tl.arange(0, BLOCK_D)
     ok = (rows[:, None] < M) & (cols[None, :] < D)
     o = tl.load(O + b * so_b + h * so_h + rows[:, None] * so_m + cols[None, :] * so_d, mask=ok, other=0).to(tl.float32)
@@ -297,8 +299,9 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     args = (q, k, v, dout, lse, delta, dq, dk, dv, dq if seed is None else seed, *extra_args, *q.stride(), *k.stride(),
             *v.stride(), *dout.stride(), Hq, Hq // Hkv, M, N, B * Hq * M, split, float(scale))
+    big = wide(q, k, v, dout, dq, *extras)
     meta = [dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if ieee else "tf32", ATOMIC=split > 1,
-                 num_warps=warps, num_stages=stages) for block_m, block_n, warps, stages in (kv_plan, q_plan)]
+                 WIDE=big, num_warps=warps, num_stages=stages) for block_m, block_n, warps, stages in (kv_plan, q_plan)]
     launches = [("attention_bwd_dkdv", (cdiv(N, kv_plan[1]), B * Hkv * split), meta[0]),
                 ("attention_bwd_dq", (cdiv(M, q_plan[0]), B * Hq), meta[1])]
     return dq, dk, dv, dextras, launches, args, first + lists

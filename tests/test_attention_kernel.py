@@ -494,6 +494,29 @@ def test_backward_splits_the_query_heads_of_a_kv_head_when_programs_are_few(dtyp
         torch.testing.assert_close(g.double(), w_, atol=BWD_TOL[dtype] * w_.abs().max().item(), rtol=BWD_TOL[dtype])
 
 
+@pytest.mark.parametrize("case", ["plain, odd sizes, D padded", "window", "GQA 4/2, causal"])
+def test_64_bit_offsets_forward_and_backward(case, monkeypatch):
+    """Past 2**31 elements of offset (a [B, M, H, D] layout at half a million rows, a materialised [B, 1, M, N]
+    mask at 46341 squared) the kernels index in 64 bits (WIDE): forced here on small tensors, the same
+    gradients as fp64 autograd's.  `wide` itself is checked on a tensor of such strides (nothing allocated)."""
+    import fuser.codegen.attention as fwd
+    import fuser.codegen.attention_bwd as bwd
+    huge = torch.empty(0, device="meta").as_strided((1, 1, 2, 2), (0, 0, 2**31, 1))
+    assert fwd.wide(huge) and not fwd.wide(huge[:, :, :1])
+    monkeypatch.setattr(fwd, "wide", lambda *ts: True)
+    monkeypatch.setattr(bwd, "wide", lambda *ts: True)
+    torch.manual_seed(34)
+    B, Hq, Hkv, M, N, D, mod, ref_mod, structure = BWD_CASES[case]
+    q, k, v = qkv(B, Hq, Hkv, M, N, D, torch.float32)
+    w = rand(B, Hq, M, D)
+    got = _output_and_grads(lambda q, k, v: flash_attention(q, k, v, scale=0.3, mod=mod), w, q, k, v)
+    want = _output_and_grads(lambda q, k, v: reference(q, k, v, 0.3, mod=ref_mod, **structure)[0], w, q.double(),
+                             k.double(), v.double())
+    for g, w_ in zip((got[0], *got[1]), (want[0], *want[1])):
+        torch.testing.assert_close(g.double(), w_, atol=BWD_TOL[torch.float32] * w_.abs().max().item(),
+                                   rtol=BWD_TOL[torch.float32])
+
+
 def test_backward_reads_the_output_gradient_in_its_own_layout():
     """dO arrives strided (the output transposed after the attention, as models do before their output
     projection) and Q, K, V are views of one packed projection: the gradients still equal fp64 autograd's, GQA
