@@ -148,11 +148,8 @@ def _int_divisor_nonzero(a: Args) -> list:
 
 
 def _held(a: Args, i: int) -> str:
-    """Operand i as a value of the op's compute dtype, a number one too: a helper computing with a bare
-    literal would run Python's arithmetic on it (pow(0.0, x): Python's 1.0 / 0.0 raised)."""
-    if isinstance(a.node.args[i], torch.fx.Node):
-        return a[i]
-    return f"tl.full([], {a[i]}, {TL_DTYPE[compute_dtype(a.dtype)]})"
+    """Operand i as a value of the op's compute dtype, a number one too (`_typed`)."""
+    return a[i] if isinstance(a.node.args[i], torch.fx.Node) else _typed(a[i], a.dtype)
 
 
 def _pow_scalar(a: Args) -> str:
@@ -169,9 +166,14 @@ def _pow_scalar(a: Args) -> str:
 
 
 def _clamp(a: Args) -> str:
-    lo = a[1] if len(a) > 1 else a.kw("min")
-    hi = a[2] if len(a) > 2 else a.kw("max")
+    lo = _bound(a, 1) if len(a) > 1 else a.kw("min")
+    hi = _bound(a, 2) if len(a) > 2 else a.kw("max")
     return _clamp_literal(a[0], lo, hi)
+
+
+def _bound(a: Args, i: int):
+    """Argument i of a clamp as _clamp_literal takes it: a number as it is, a tensor operand as its source."""
+    return a[i] if isinstance(a.node.args[i], torch.fx.Node) else a.node.args[i]
 
 
 def _round(a: Args) -> str:
@@ -189,8 +191,13 @@ def _fill(a: Args) -> str:
     held = TL_DTYPE[compute_dtype(a.dtype)]
     if isinstance(value, torch.fx.Node):  # a symbolic int
         return f"({literal(value)}).to({held})"
-    value = torch.tensor(value, dtype=a.dtype).item()
-    text = literal(value)
+    return _typed(literal(torch.tensor(value, dtype=a.dtype).item()), a.dtype)
+
+
+def _typed(text: str, dtype) -> str:
+    """A number's Triton source as a value of `dtype`'s compute dtype: a bare literal would compute in Python's
+    arithmetic (pow(0.0, x): 1.0 / 0.0 raised) or as an int in a float kernel (copysign read its bits)."""
+    held = TL_DTYPE[compute_dtype(dtype)]
     return f"{text}.to({held})" if text.startswith("tl.") else f"tl.full([], {text}, {held})"
 
 
@@ -306,8 +313,8 @@ POINTWISE = {
     aten.pow: P(lambda a: _pow_scalar(a) if a.node.target == aten.pow.Tensor_Scalar
                 else f"_pow({_held(a, 0)}, {a[1]})" if _is_float(a) else f"_pow_int({a[0]}, {a[1]})"),
     aten.maximum: P(lambda a: f"_maximum({a[0]}, {a[1]})"), aten.minimum: P(lambda a: f"_minimum({a[0]}, {a[1]})"),
-    aten.clamp: P(_clamp), aten.clamp_min: P(lambda a: _clamp_literal(a[0], a[1], None)),
-    aten.clamp_max: P(lambda a: _clamp_literal(a[0], None, a[1])),
+    aten.clamp: P(_clamp), aten.clamp_min: P(lambda a: _clamp_literal(a[0], _bound(a, 1), None)),
+    aten.clamp_max: P(lambda a: _clamp_literal(a[0], None, _bound(a, 1))),
     aten.where: P(lambda a: f"tl.where({a[0]}, {a[1]}, {a[2]})", bool_args=(0,)),
     aten.masked_fill: P(lambda a: f"tl.where({a[1]}, {a[2]}, {a[0]})", bool_args=(1,)),
     aten.sign: P(_sign), aten.sgn: P(_sign), aten.signbit: P(_signbit, promote_inputs=True),
@@ -404,23 +411,16 @@ NAMED = {
 
 
 def _clamp_literal(x: str, lo, hi) -> str:
-    """x clamped to [lo, hi] (Triton source or Python numbers; None: no bound).  NaN stays NaN, and a NaN
-    bound makes the result NaN, as eager's."""
+    """x clamped to [lo, hi] (a tensor operand's Triton source, or a Python number; None: no bound).  NaN stays
+    NaN, and a NaN bound makes the result NaN, as eager's."""
     for bound, cmp in ((lo, "<"), (hi, ">")):
         if bound is None:
             continue
         b = bound if isinstance(bound, str) else literal(bound)
         x = f"tl.where({x} {cmp} {b}, {b}, {x})"
-        if not _finite_number(b):  # a tensor, or a NaN literal
+        if isinstance(bound, str) or math.isnan(bound):  # a tensor, or a NaN number
             x = f"tl.where({b} != {b}, {b}, {x})"
     return x
-
-
-def _finite_number(text: str) -> bool:
-    try:
-        return math.isfinite(float(text))
-    except ValueError:
-        return False
 
 
 # Helpers the generated kernels may call; emitted into a kernel's module only where it uses them.
