@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import copy
+import itertools
 import types
 
 import torch
@@ -105,10 +107,21 @@ class FusedModule(torch.nn.Module):
         self._seen_devices: frozenset | None = None
         target = model.fn if isinstance(model, _Function) else model  # a function compiles without module layers
         backend.validate(options)  # bad options fail here, not at the first call
+        self._options = dict(options or {})
         self._backend = backend.make_backend(self._captured, options, self._ran)
         # not submodules: no second copy of the weights
         object.__setattr__(self, "_entry", _Entry(self._compile(target), model))
         object.__setattr__(self, "_generate_entry", None)  # made at the first generate()
+
+    def __deepcopy__(self, memo):
+        """A copy fuses a deep copy of the model afresh.  Copied attribute by attribute, it would keep this
+        module's compiled entry and backend (closures over this model: the copy would run the original's
+        weights) and its kernels' fake tensors (which cannot be copied)."""
+        return FusedModule(copy.deepcopy(self.model, memo), self._options, self.dynamic)
+
+    def __reduce__(self):
+        """Pickled (torch.save) as the model and the options; loaded, it fuses again at its first call."""
+        return FusedModule, (self.model, self._options, self.dynamic)
 
     def _compile(self, target):
         return torch.compile(_own_entry(target), dynamic=self.dynamic, backend=self._backend)
@@ -276,8 +289,14 @@ def _own_entry(target):
     count with a backend of its own, and the ninth would silently run eagerly."""
     def entry(*args, **kwargs):
         return target(*args, **kwargs)
-    code = entry.__code__.replace()  # a new code object, equal to the shared one
-    return types.FunctionType(code, entry.__globals__, "fused_entry", None, entry.__closure__)
+    # a name of its own too: Dynamo keeps which sizes it saw change (automatic dynamic) per file, line and
+    # name, so a second fuse() would start over symbolic sizes where the first had seen a size change
+    name = f"fused_entry_{next(_ENTRIES)}"
+    code = entry.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, entry.__globals__, name, None, entry.__closure__)
+
+
+_ENTRIES = itertools.count()
 
 
 def _devices(args, kwargs) -> frozenset:

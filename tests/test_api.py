@@ -295,3 +295,56 @@ def test_separate_fuse_calls_do_not_starve_each_other(device):
         fused = fuser.fuse(Chain())
         torch.testing.assert_close(fused(a, b), chain(a, b), **TOL)
         assert fused.report.regions and not fused.report.fallbacks, fused.report
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = torch.nn.LayerNorm(d), torch.nn.Linear(d, 48), torch.nn.Linear(48, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+@pytest.mark.parametrize("called", [False, True], ids=["before-a-call", "after-a-call"])
+def test_a_copy_or_a_saved_model_runs_its_own_weights(called, device):
+    """copy.deepcopy (an EMA or teacher copy) and torch.save/load of a fused module fuse the copied model afresh:
+    the copy had kept the original's compiled entry (running the original's weights: a silent wrong answer) or
+    failed to copy its kernels' fake tensors; a pickle failed on the backend's closure."""
+    import copy
+    import io
+    torch.manual_seed(0)
+    fused = fuser.fuse(_Block().to(device))
+    x = torch.randn(3, 5, 32, device=device)
+    if called:
+        fused(x)
+    twin = copy.deepcopy(fused)
+    buf = io.BytesIO()
+    torch.save(fused, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        for p in twin.model.parameters():
+            p.add_(0.5)
+    for m in (twin, loaded, fused):
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), m.model(x))
+        assert m.report.regions and not m.report.all_fallbacks, m.report
+    assert not torch.allclose(twin(x), fused(x))
+
+
+def test_a_second_model_fused_starts_at_its_own_sizes(device):
+    """Dynamo remembers which sizes changed per function (automatic dynamic): every fuse() compiles an entry of
+    its own name, so a second model's first call is not made symbolic by the first model's sizes (its backward
+    compiled ahead with donated buffers then refused backward(retain_graph=True))."""
+    torch.manual_seed(0)
+    first = fuser.fuse(_Block().to(device))
+    with torch.no_grad():
+        first(torch.randn(3, 5, 32, device=device))
+        first(torch.randn(2, 9, 32, device=device))
+    second = fuser.fuse(_Block().to(device))
+    y = second(torch.randn(2, 7, 32, device=device))
+    assert not any(r.symbolic for r in second.report.regions), second.report
+    loss = y.square().mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
