@@ -23,6 +23,7 @@ runtime never imports codegen or patterns.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -211,12 +212,31 @@ class Launcher:
         self.constexprs = tuple(meta[a] for a in fn.arg_names if a in meta)  # in parameter order
         self.compiled: dict = {}
         self.aligned = None  # the compiled kernel for tensor arguments all 16-byte aligned, no ints
+        self.pending = None  # a compile started ahead (precompile), waited for at the first launch
+
+    def precompile(self, grid, dtypes: list, device: torch.device) -> None:
+        """Compile for tensor arguments of `dtypes` (16-byte aligned, as the caching allocator's are) in a
+        thread of the compile pool, while the graph is still being compiled and run: Triton compiles a kernel
+        in ~0.2-0.4 s, mostly outside the GIL (its passes, ptxas), so a graph's kernels compile side by side
+        instead of one at each first launch (Inductor compiles its kernels in parallel too)."""
+        pool = _compile_pool()
+        if pool is None or self.interpreted or self.pending is not None or self.compiled:
+            return
+
+        def compile_():
+            with torch.cuda.device(device):
+                self.fn.warmup(*dtypes, grid=grid if isinstance(grid, tuple) else (grid,), **self.meta)
+        self.pending = pool.submit(compile_)
 
     def __call__(self, grid, *args):
         """grid: the number of programs, or a tuple of up to 3."""
         if self.interpreted:
             run_interpreted(self.fn, grid if isinstance(grid, tuple) else (grid,), *args, **self.meta)
             return
+        if self.pending is not None:  # the JIT below finds what it compiled (a failure is the launch's to raise)
+            pending, self.pending = self.pending, None
+            with contextlib.suppress(Exception):
+                pending.result()
         key = _spec(args)
         compiled = self.compiled.get(key)
         if compiled is not None and _no_launch_hooks():
@@ -227,6 +247,14 @@ class Launcher:
             self.compiled[key] = compiled
             if all(k is True for k in key):
                 self.aligned = compiled
+
+
+@functools.cache
+def _compile_pool():
+    """Threads compiling kernels ahead (Launcher.precompile): FUSER_COMPILE_THREADS of them (default: the
+    machine's cores; 0: none, each kernel compiles at its first launch)."""
+    n = int(os.environ.get("FUSER_COMPILE_THREADS", os.cpu_count() or 1))
+    return concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="fuser-compile") if n > 0 else None
 
 
 def run_compiled(compiled, grid, device_index: int, args, constexprs):
@@ -377,6 +405,10 @@ class RegionKernel(torch.nn.Module):
             self._rows, self._r = int(space.rows), int(space.r)
             self.empty = self._rows == 0 or (self.reduction and self._r == 0)
             self._plan = block_plan(self._rows, self._r if self.reduction else None, self.device_type, region.column)
+            if not self.empty and self.device_type == "cuda":
+                variant, outs = self._captured
+                variant.launcher(self._plan, "cuda", self.reduction).precompile(
+                    self._plan.programs, [s.dtype for s in (*self.in_sigs, *outs)], self.device)
 
     def _generate(self, in_sigs, out_sigs, persistent: bool, wide: bool, constant: tuple = ()):
         return self.generate(list(in_sigs), list(out_sigs), persistent=persistent, wide=wide, constant=constant)

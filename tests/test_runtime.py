@@ -734,3 +734,28 @@ def test_donated_inputs_are_written_over_unless_they_share_storage(shared):
     graph.output((add,))
     written = write_over_donated(graph, {pa})
     assert (mul.target is torch.ops.aten.mul_.Tensor) is not shared and (mul.name in written) is not shared, written
+
+
+def test_kernels_compile_ahead_in_the_compile_pool(device, monkeypatch):
+    """On the GPU a static kernel starts compiling when its graph is compiled, in a thread of the compile pool
+    (Triton's compiles run side by side, mostly outside the GIL: an H200's BERT training step compiled in 16.0 s
+    instead of 26.7, run 214); its first launch waits for it and launches what it compiled.  Interpreted
+    kernels (CPU) compile nothing ahead."""
+    import threading
+    from triton.runtime.jit import JITFunction
+    threads = []
+    warmup = JITFunction.warmup
+
+    def recorded(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return warmup(self, *args, **kwargs)
+    monkeypatch.setattr(JITFunction, "warmup", recorded)
+    fn = lambda x, y: (x * y + 1).relu() * 3  # noqa: E731
+    x, y = torch.randn(37, 53, device=device), torch.randn(53, device=device)
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(x, y), fn(x, y))
+    assert fused.report.regions
+    if device == "cpu":
+        assert threads == []
+    else:
+        assert threads and all(t.startswith("fuser-compile") for t in threads), threads
