@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import copy
+import inspect
 import itertools
 import types
 
@@ -238,6 +239,9 @@ class FusedModule(torch.nn.Module):
             self._check_devices(a, k)
             return self._call(entry, a, k)
         step._fuser_step = True
+        # generate() reads the forward's signature to decide what it passes (position_ids from the mask, the
+        # mask itself, logits_to_keep): without it, GPT-2 with left padding decoded from the wrong positions
+        step.__signature__ = inspect.signature(entry.eager)
 
         if hasattr(getattr(model, "generation_config", None), "disable_compile"):
             kwargs.setdefault("disable_compile", True)

@@ -121,6 +121,31 @@ def test_generate_16_tokens_matches_and_compiles_at_most_three_graphs(build, dev
     assert {g.graph for g in graphs} <= {r.graph for r in report.regions}  # prefill's and decode's ran fused
 
 
+@pytest.mark.parametrize("build", [_tiny_gpt2, _tiny_llama], ids=["gpt2", "llama"])
+def test_generate_sees_the_models_forward_signature(build, device):
+    """HF's generate reads the forward's signature to decide what it passes (position_ids from the attention
+    mask, the mask, logits_to_keep): the forward fused.generate routes through carries the model's signature.
+    Hidden, GPT-2 decoded a left-padded row from positions 0..T-1 (wrong logits and tokens), and a generate
+    continuing from a returned cache decoded other tokens (found by a helper's sweep)."""
+    model = build(device)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    mask = torch.ones(2, 9, dtype=torch.long, device=device)
+    ids[1, :3], mask[1, :3] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True, output_logits=True, **GREEDY)
+    want = model.generate(ids, **kw)
+    fused = fuser.fuse(model)
+    got = fused.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
+    assert_close_to_eager(list(got.logits), list(want.logits))
+    more = torch.cat([want.sequences, torch.randint(3, 97, (2, 2), generator=torch.Generator().manual_seed(2)).to(device)], 1)
+    mask = torch.cat([mask, torch.ones(2, 8, dtype=torch.long, device=device)], 1)
+    kw.update(attention_mask=mask, max_new_tokens=3)
+    want = model.generate(more, past_key_values=want.past_key_values, **kw)
+    got = fused.generate(more, past_key_values=got.past_key_values, **kw)
+    assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
+    assert fused.report.regions and not fused.report.all_fallbacks, fused.report
+
+
 def test_generate_with_every_shape_specialised(device):
     """dynamic=False: a graph per shape; the tokens are HF's all the same."""
     model = _tiny_gpt2(device)
