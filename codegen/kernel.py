@@ -84,6 +84,7 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
     operands are converted to the op's compute dtype, and a cast rounds to its target dtype."""
     out_dt = meta(n).dtype
     op_dt = compute_dtype(_promote(n.args) if kind.promote_inputs else out_dt)
+    wrap_dt = _promote(n.args) if kind.wraps and ops.wraps_scalars(n) else None
     rendered = []
     for pos, a in enumerate(n.args):
         if isinstance(a, torch.fx.Node) and is_generator(n):
@@ -95,7 +96,7 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
             keep = kind.cast or pos in kind.raw_args or (meta(a).dtype == torch.bool and pos in kind.bool_args)
             rendered.append(v if keep else convert(v, dtypes[v], op_dt))
         elif isinstance(a, (bool, int, float)):
-            rendered.append(literal(wrapped(a, _promote(n.args)) if kind.wraps else a))
+            rendered.append(literal(wrapped(a, wrap_dt) if wrap_dt is not None else a))
         else:
             rendered.append(a)
     args = ops.Args(n, rendered, index)

@@ -466,8 +466,9 @@ class TritonPrinter(StrPrinter):
         return repr(float(e))
 
     def _print_Function(self, e):
-        """Any other function of sizes (sqrt, round...): no form here; the region stays eager with the
-        reason (printed as written it would be a NameError at run time, and the graph eager)."""
+        """Any other function of sizes (sqrt, round...): no form here.  In a kernel's index math the region
+        stays eager with the reason; in the host's size function the graph runs as given, with the reason
+        (printed as written, either was a NameError at run time)."""
         raise ValueError(f"no integer form for {e}")
 
     def _print_PowByNatural(self, e):

@@ -107,9 +107,17 @@ def _is_float(a: Args) -> bool:
     return a.dtype.is_floating_point
 
 
+def wraps_scalars(node) -> bool:
+    """Whether an op of _WRAPPING casts its int scalars to the integer dtype it computes in, as eager's: not
+    for true division, whose result is a float (int16 / 32768 divides by 32768), nor over bools alone (eager
+    refuses an int past int64 there)."""
+    tensors = [a.meta["val"] for a in node.args if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    return not node.meta["val"].dtype.is_floating_point and any(t.dtype != torch.bool for t in tensors)
+
+
 def _alpha(a: Args, b: str) -> str:
     alpha, other = a.kw("alpha", 1), a.node.args[1]
-    if isinstance(other, int) and isinstance(alpha, int) and not a.dtype.is_floating_point:
+    if isinstance(other, int) and isinstance(alpha, int) and wraps_scalars(a.node):
         return literal(wrapped(alpha * other, a.dtype))  # eager multiplies in the dtype, wrapping
     return b if alpha == 1 else f"({literal(alpha)} * {b})"
 
