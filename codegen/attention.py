@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fuser.dtypes import interpreting, math_import
 from fuser.ops import dropout_expr, helpers_for
-from fuser.plan import attention_plan, cdiv, next_pow2
+from fuser.plan import WIDE, attention_plan, cdiv, max_offset, next_pow2
 
 __all__ = ["IndexMask", "LinearBias", "ScoreMod", "attention_source", "mask_structure", "prepare", "structure_of"]
 
@@ -581,8 +581,7 @@ WIDE_ARANGES = ["ar_m = tl.arange(0, BLOCK_M)", "ar_n = tl.arange(0, BLOCK_N)",
 
 def wide(*tensors) -> bool:
     """Whether some tensor's element offsets (its own strides) reach 2**31: the kernels' WIDE."""
-    return any(sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31
-               for t in tensors if isinstance(t, torch.Tensor) and t.numel())
+    return any(max_offset(t.shape, t.stride()) > WIDE for t in tensors if isinstance(t, torch.Tensor) and t.numel())
 
 
 def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse: bool = False, seed=None, out=None,

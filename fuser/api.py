@@ -1,10 +1,10 @@
 """`fuser.fuse(model)`: a module with the model's outputs, whose memory-bound work runs fused."""
 from __future__ import annotations
 
-import logging
 import copy
 import inspect
 import itertools
+import logging
 import types
 
 import torch

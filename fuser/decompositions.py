@@ -9,7 +9,7 @@ import functools
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
-from torch._prims_common import get_computation_dtype
+from torch._prims_common import get_computation_dtype, suggest_memory_format
 
 from . import ops
 
@@ -104,9 +104,7 @@ def adaptive_avg_pool2d_backward(grad, x):
     if h % oh == 0 and w % ow == 0:
         kh, kw = h // oh, w // ow
         g = (grad / (kh * kw))[..., :, None, :, None].expand(*grad.shape[:-2], oh, kh, ow, kw)
-        return g.reshape(x.shape).to(x.dtype).contiguous(memory_format=torch.channels_last if
-                                                            x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-                                                            and not x.is_contiguous() else torch.contiguous_format)
+        return g.reshape(x.shape).to(x.dtype).contiguous(memory_format=suggest_memory_format(x))  # as eager's
     if oh * ow > 16:
         return NotImplemented
 

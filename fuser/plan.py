@@ -37,6 +37,14 @@ class BlockPlan:
     persistent: bool   # the whole row in registers (reductions), else a loop over R
 
 
+WIDE = 2**31  # element offsets from here on need 64-bit index math (region and attention kernels alike)
+
+
+def max_offset(shape, stride) -> int:
+    """One past the largest element offset a tensor of this shape and these strides reaches."""
+    return sum((s - 1) * abs(st) for s, st in zip(shape, stride)) + 1
+
+
 COLUMN_TILE = (64, 4096, 8)  # a looped column reduction's columns a program, elements a tile, warps
 
 

@@ -54,7 +54,7 @@ from . import indexing as ix
 from . import ops
 from .dtypes import interpreted
 from .graph import OWN_CALL, computed_from, is_size, meta
-from .plan import TensorSig, block_plan
+from .plan import WIDE, TensorSig, block_plan, max_offset
 from .region import Region, persistent_at
 
 aten = torch.ops.aten
@@ -331,7 +331,6 @@ def _int_spec(a: int) -> tuple:
     return (a == 1, a % 16 == 0, -2**31 <= a < 2**31)
 
 
-WIDE = 2**31  # offsets from here on need 64-bit index math
 BOUND_SIZES = 64  # size values per symbolic kernel whose call is kept bound (RegionKernel._bind_sizes; launch_sequence)
 CONSTANT_ROWS = 4  # row lengths of a looped reduction that get a variant with the length built in
 
@@ -418,7 +417,7 @@ class RegionKernel(torch.nn.Module):
         """(variant, outputs' signatures) for these input signatures (ints)."""
         if sigs not in self.variants:
             outs = tuple(TensorSig(tuple(map(int, s.shape)), tuple(map(int, s.stride)), s.dtype) for s in self.out_sigs)
-            wide = any(_max_offset(s.shape, s.stride) >= WIDE for s in (*sigs, *outs))
+            wide = any(max_offset(s.shape, s.stride) >= WIDE for s in (*sigs, *outs))
             src = self._generate(sigs, outs, self.region.persistent, wide)
             self.variants[sigs] = (_Variant(src, []), outs)
         return self.variants[sigs]
@@ -682,10 +681,6 @@ def named(name: str, fn, returns_args: slice = slice(0, 0)):
     call.__module__ = "kernels"
     call.returns_args = returns_args
     return call
-
-
-def _max_offset(shape, stride) -> int:
-    return sum((s - 1) * abs(st) for s, st in zip(shape, stride)) + 1
 
 
 def _shape_function(symbols, in_sigs, out_sigs, space):
