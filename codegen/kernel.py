@@ -339,7 +339,8 @@ class KernelWriter:
         for src, src_idx, bounds in reversed(branches):
             if bounds is not None and not isinstance(bounds[0], tuple):
                 bounds = (bounds,)
-            here = None if bounds is None else " & ".join(self._in_bounds(idx[b[2]], *b) for b in bounds)
+            here = None if bounds is None else " & ".join(c for b in bounds if (c := self._in_bounds(idx[b[2]], *b)))
+            here = here or None  # every bound holds at every size: the branch is taken throughout
             sub_cond = cond if here is None else (f"({cond}) & {here}" if cond else here)
             v = self.value(src, self._alias_bounded(src_idx, bounds), sub_cond)
             v = convert(v, self.dtypes[v], cdt)
@@ -349,8 +350,13 @@ class KernelWriter:
         return self.new(result, cdt)
 
     def _in_bounds(self, i, lo, hi, d, step=1) -> str:
-        """Triton source: lo <= i < hi, and i - lo a multiple of step (a strided slice_scatter)."""
-        i = self.print_index(i)
+        """Triton source: lo <= i < hi, and i - lo a multiple of step (a strided slice_scatter); "" where
+        i is a function of sizes alone that lies in [lo, hi) at every size (circular padding's wrapped row
+        of a symbolic height: a scalar condition, which Triton's interpreter cannot mask with)."""
+        e = self.expand_aliases(sympy.sympify(i))
+        if step == 1 and e.free_symbols <= self.sizes.hints.keys() and self.sizes.nonneg(e - lo) and self.sizes.lt(e, hi):
+            return ""
+        i = ix.texpr(e)
         here = f"(({i}) >= {ix.texpr(lo)}) & (({i}) < {ix.texpr(hi)})"
         return here if step == 1 else f"{here} & ((({i}) - {ix.texpr(lo)}) % {step} == 0)"
 

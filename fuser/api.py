@@ -5,7 +5,9 @@ import copy
 import inspect
 import itertools
 import logging
+import threading
 import types
+import weakref
 
 import torch
 from torch._dynamo.utils import counters
@@ -97,6 +99,7 @@ class FusedModule(torch.nn.Module):
         self.model = model
         self.dynamic = dynamic
         self._graph_reports: list[FusionReport] = []
+        self._known: set[int] = set()  # indices of the graphs in _graph_reports
         self._latest: list[FusionReport] = []  # the graphs that ran since the latest call began
         # whether a fused graph ran in the current step: a plain object's attribute, set on every call
         # (nn.Module.__setattr__ costs microseconds)
@@ -107,9 +110,8 @@ class FusedModule(torch.nn.Module):
         self.graph_modules: list[torch.fx.GraphModule] = []  # the rewritten graphs, in capture order
         self._seen_devices: frozenset | None = None
         target = model.fn if isinstance(model, _Function) else model  # a function compiles without module layers
-        backend.validate(options)  # bad options fail here, not at the first call
         self._options = dict(options or {})
-        self._backend = backend.make_backend(self._captured, options, self._ran)
+        self._backend = _shared_backend(self._options)  # bad options fail here, not at the first call
         # not submodules: no second copy of the weights
         object.__setattr__(self, "_entry", _Entry(self._compile(target), model))
         object.__setattr__(self, "_generate_entry", None)  # made at the first generate()
@@ -163,6 +165,8 @@ class FusedModule(torch.nn.Module):
         self._step.ran_graph = False
         captured = len(self._graph_reports)
         self._breaks.start()
+        running = _running()
+        running.append(self)
         try:
             out = entry.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchRuntimeError as e:
@@ -171,6 +175,8 @@ class FusedModule(torch.nn.Module):
             out = entry.eager(*args, **kwargs)
             self._ran_eagerly(f"Dynamo could not trace the model: {str(e).splitlines()[0]}")
             return out
+        finally:
+            running.pop()
         breaks = self._breaks.new()
         if breaks:
             self._graph_broke(breaks, self._graph_reports[captured:])
@@ -181,10 +187,14 @@ class FusedModule(torch.nn.Module):
         return out
 
     def _ran(self, report: FusionReport):
-        """The backend's runners call this as each graph runs: the report lists each graph once."""
+        """The backend's runners call this (through _route_ran) as each graph runs: the report lists each
+        graph once.  A graph another module compiled (their shared backend) joins this one's graphs."""
         self._step.ran_graph = True
         if not any(r is report for r in self._latest):
             self._latest.append(report)
+            if report.graph not in self._known:
+                gm = _graph_modules.get(report.graph)
+                self._captured(report, gm) if gm is not None else self._known.add(report.graph)
 
     def _ran_eagerly(self, reason: str):
         """No fused graph ran in this call: say so, in the report and (once per reason) in the log."""
@@ -265,6 +275,7 @@ class FusedModule(torch.nn.Module):
         return getattr(model.fn, "__qualname__", repr(model.fn)) if isinstance(model, _Function) else type(model).__name__
 
     def _captured(self, report: FusionReport, gm: torch.fx.GraphModule):
+        self._known.add(report.graph)
         self._graph_reports.append(report)
         self.graph_modules.append(gm)
 
@@ -284,6 +295,61 @@ class FusedModule(torch.nn.Module):
         """The rewritten graphs as Python: each fused region is one `kernels_fused_<i>(...)` call,
         its output buffers allocated (and reused) in the program."""
         return "\n".join(self.report.code)
+
+
+def _shared_backend(options: dict):
+    """The backend of every FusedModule made with these options (one per set of options).  Dynamo keeps
+    compiled code per code object and backend: with a backend each, a function that every module reaches
+    in a frame of its own (the model class's forward past a graph break, a library helper) compiled again
+    for each module, and the ninth module met Dynamo's recompile limit there and ran eagerly.  Shared,
+    the code compiled for one module serves the next where Dynamo's guards hold.  And no backend holds a
+    module: Dynamo keeps every backend for the life of the process (its model's weights with it, where each
+    module's backend was a closure over it).  The backend's reports reach the module that runs each graph
+    (_route_ran)."""
+    key = tuple(backend.validate(options).items())
+    with _backends_lock:
+        if key not in _BACKENDS:
+            _BACKENDS[key] = backend.make_backend(_route_captured, options, _route_ran)
+        return _BACKENDS[key]
+
+
+_BACKENDS: dict[tuple, object] = {}
+_backends_lock = threading.Lock()
+_calls = threading.local()
+_owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # forward graph -> the module that last ran it
+_graph_modules: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # graph index -> its rewritten graph
+
+
+def _running() -> list:
+    """The FusedModules whose call is running in this thread, innermost last."""
+    stack = getattr(_calls, "stack", None)
+    if stack is None:
+        stack = _calls.stack = []
+    return stack
+
+
+def _module_of(report: FusionReport) -> FusedModule | None:
+    """The module a graph runs for: the one whose call runs it, else (a backward graph, run by autograd after
+    the call, perhaps in autograd's own thread) the one that last ran its forward graph."""
+    stack = getattr(_calls, "stack", None)
+    if stack:
+        return stack[-1]
+    return _owners.get(report.forward) if report.forward is not None else None
+
+
+def _route_ran(report: FusionReport):
+    module = _module_of(report)
+    if module is not None:
+        if report.forward is None:
+            _owners[report.graph] = module
+        module._ran(report)
+
+
+def _route_captured(report: FusionReport, gm: torch.fx.GraphModule):
+    _graph_modules[report.graph] = gm
+    module = _module_of(report)
+    if module is not None:
+        module._captured(report, gm)
 
 
 def _own_entry(target):

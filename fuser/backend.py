@@ -11,6 +11,7 @@ import copy
 import logging
 import threading
 import traceback
+import weakref
 
 import torch
 import torch.fx as fx
@@ -31,6 +32,9 @@ from .report import FusionReport
 log = logging.getLogger("fuser")
 _reports: list[FusionReport] = []
 _lock = threading.Lock()
+# Dynamo's tracing context of a frame -> the latest forward graph compiled in it: AOT Autograd compiles a
+# backward (lazily, at its first call, where sizes are symbolic) in its forward's context
+_forward_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # option -> (default, allowed values, what it does)
 OPTIONS = {"attention": (True, (True, False, "triton"), "recognise hand-written attention: True runs it as SDPA where "
@@ -203,9 +207,12 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
                 new, report = given, FusionReport(graph=index)
                 _fall_back(report, "while compiling", e)
             if backward:
+                report.forward = _forward_graphs.get(torch._guards.TracingContext.try_get())
                 report.notes.append("backward graph (from AOT Autograd)")
             else:
                 report.notes += claimed
+                if (context := torch._guards.TracingContext.try_get()) is not None:
+                    _forward_graphs[context] = index
             record(report)
             if sink is not None:
                 sink(report, new)

@@ -81,6 +81,7 @@ class FusionReport:
     graph: int = 0
     fallback: str | None = None  # why this graph runs as given (eager ATen), if it does
     fallbacks: list[str] = field(default_factory=list)  # merged reports: one line per such graph
+    forward: int | None = None  # a backward graph's: the index of the forward graph it belongs to
 
     @staticmethod
     def merge(reports: list["FusionReport"]) -> "FusionReport":

@@ -142,6 +142,7 @@ def test_capture_failure_falls_back(monkeypatch, caplog):
         return fail
 
     monkeypatch.setattr(backend, "aot_autograd", broken_aot)
+    monkeypatch.setattr(fuser.api, "_BACKENDS", {})  # the shared backends bind aot_autograd when made
     fused = _fused_chain_checked(caplog)
     assert "synthetic AOT failure" in caplog.text
     assert "while capturing (AOT Autograd): RuntimeError: synthetic AOT failure" in fused.report.fallbacks[0]
@@ -295,6 +296,64 @@ def test_separate_fuse_calls_do_not_starve_each_other(device):
         fused = fuser.fuse(Chain())
         torch.testing.assert_close(fused(a, b), chain(a, b), **TOL)
         assert fused.report.regions and not fused.report.fallbacks, fused.report
+
+
+def _break_then_chain(a, b):
+    torch._dynamo.graph_break()  # the class's forward becomes a frame of its own, shared by every instance
+    return chain(a, b)
+
+
+def test_models_of_one_class_breaking_in_one_function_are_each_fused(device):
+    """More fused models of one class than Dynamo's recompile limit, whose graphs break in a function they all
+    reach (Hugging Face's loss property, a helper): Dynamo compiles that function's frames per code object and
+    backend, so with a backend per FusedModule the ninth ran eagerly. FusedModules of equal options share one:
+    each model runs its own weights, fused, and its report lists the graphs it ran."""
+    class Breaking(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(9, device=device))
+
+        def forward(self, a):
+            return _break_then_chain(a, self.w)
+
+    a = torch.randn(7, 9, device=device)
+    for _ in range(torch._dynamo.config.recompile_limit + 3):
+        model = Breaking()
+        fused = fuser.fuse(model)
+        torch.testing.assert_close(fused(a), chain(a, model.w), **TOL)
+        assert fused.report.regions and not fused.report.all_fallbacks, fused.report
+        assert fused.reports, "the graphs this module ran, compiled for an earlier one, are its graphs too"
+
+
+def test_a_fused_model_is_freed_with_its_module(device):
+    """Dynamo keeps every backend it was given for the life of the process: a backend must not hold its model
+    (a notebook fusing model after model kept every one's weights)."""
+    import gc
+    import weakref
+    model = _Block().to(device)
+    fused = fuser.fuse(model)
+    fused(torch.randn(3, 32, device=device, requires_grad=True)).sum().backward()
+    refs = weakref.ref(model), weakref.ref(fused)
+    del model, fused
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_a_backward_is_reported_by_the_module_that_ran_its_forward(device):
+    """Two models of one class, forwards run in turn and backwards after both (a GAN's step): each module's
+    report holds its own forward graph and the backward AOT Autograd made of it."""
+    torch.manual_seed(0)
+    first, second = fuser.fuse(_Block().to(device)), fuser.fuse(_Block().to(device))
+    x = torch.randn(3, 5, 32, device=device)
+    y1 = first(x)
+    y2 = second(x)
+    (y2.square().sum() + y1.square().sum()).backward()
+    for fused in (first, second):
+        forwards = [r.graph for r in fused.reports if r.forward is None]
+        backwards = [r.forward for r in fused.reports if r.forward is not None]
+        assert len(forwards) == 1 and backwards == forwards, fused.reports
+        assert any("backward" in note for note in fused.report.notes), fused.report
+    assert not {r.graph for r in first.reports} & {r.graph for r in second.reports}
 
 
 class _Block(torch.nn.Module):

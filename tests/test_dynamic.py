@@ -420,3 +420,17 @@ def test_a_flip_under_a_pixel_shuffle_at_symbolic_sizes(device):
         x = torch.randn(shape, device=device)
         assert_close_to_eager(fused(x), fn(x))
         assert [r.kind for r in fused.report.regions] == ["pointwise"] and not fused.report.all_fallbacks, fused.report
+
+
+@pytest.mark.parametrize("mode", ["circular", "reflect", "replicate"])
+def test_padding_modes_at_symbolic_sizes(mode, device):
+    """Circular padding's wrapped rows at a symbolic height read a row that is a function of sizes alone
+    (`H - 1`): its bound, a scalar condition, is dropped where it holds at every size (Triton's interpreter
+    cannot mask with a scalar: the graph had run eagerly from the second size on)."""
+    def fn(x):
+        return F.pad(x.sin(), (2, 3, 1, 1), mode=mode) * 2
+    fused = fuser.fuse(fn)
+    for n in (9, 11, 6):
+        x = torch.randn(2, 3, n, n + 2, device=device)
+        assert_close_to_eager(fused(x), fn(x))
+        assert fused.report.regions and not fused.report.all_fallbacks, fused.report
