@@ -9,6 +9,7 @@ import functools
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._inductor import inductor_prims  # its fma prim, which Dynamo writes (see fma)
 from torch._prims_common import get_computation_dtype, suggest_memory_format
 
 from . import ops
@@ -43,12 +44,64 @@ def _table() -> dict:
     table[aten.native_group_norm.default] = native_group_norm
     table[aten.native_group_norm_backward.default] = native_group_norm_backward
     table[aten.copy.default] = copy
+    table[aten.split_with_sizes.default] = split_with_sizes  # split and chunk decompose to it
+    table[aten.unbind.int] = unbind
+    table[inductor_prims.fma] = fma
+    table[aten.max.dim], table[aten.min.dim] = max_dim, min_dim
+    table[aten.max.default], table[aten.min.default] = aten.amax.default, aten.amin.default
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten.mm.default] = table[aten.bmm.default] = outer_product
     for op in [*ops.KEEP_WHOLE, aten.baddbmm]:  # baddbmm: one cuBLAS call (BLOOM's scores: see patterns)
         for overload in op.overloads():
             table.pop(getattr(op, overload), None)
     return table
+
+
+def split_with_sizes(x, split_sizes, dim: int = 0):
+    """The pieces as slices, views our kernels compose into their index math.  Not torch's (as_strided,
+    whose strides hide which dimension is cut) nor the op itself: one op of several results, which a region
+    cannot hold, so the pointwise work that made the tensor split (a GLU's `chunk` after a scale or a bias)
+    was a kernel of its own, its result written out for the pieces' readers."""
+    dim = torch._prims_common.canonicalize_dim(x.dim(), dim)
+    torch._check(all(size >= 0 for size in split_sizes), lambda: "split_with_sizes expects non-negative split sizes")
+    torch._check_with(ValueError, sum(split_sizes) == x.shape[dim],
+                      lambda: f"Split sizes add up to {sum(split_sizes)} but got the tensor's size of {x.shape[dim]}")
+    pieces, start = [], 0
+    for size in split_sizes:
+        pieces.append(aten.slice.Tensor(x, dim, start, start + size))
+        start = start + size
+    return pieces
+
+
+def fma(a, b, c):
+    """Dynamo writes `addcmul_(t1, t2, value=v)` and `add_(x, alpha=tensor)` (a single-tensor Adam's update) as
+    Inductor's fused multiply-add prim: a * b + c, which our kernels compute in fp32 (Triton contracts it
+    to one fma), rounded once; the prim had no lowering and ran eagerly beside its mul."""
+    return aten.add.Tensor(aten.mul.Tensor(a, b), c)
+
+
+def max_dim(x, dim: int, keepdim: bool = False):
+    """`values, indices = x.max(dim)` (greedy decoding's logits.max(-1)) as amax and argmax, reductions our
+    kernels hold: the op, of two results, had run eagerly with its producer.  Both give the first NaN and the
+    first of tied maxima, as max.dim does; its gradient stays max's own (autograd runs above this table).
+    Bools stay the op (argmax refuses them)."""
+    if x.dtype == torch.bool:
+        return NotImplemented
+    return aten.amax.default(x, [dim], keepdim), aten.argmax.default(x, dim, keepdim)
+
+
+def min_dim(x, dim: int, keepdim: bool = False):
+    """As max_dim."""
+    if x.dtype == torch.bool:
+        return NotImplemented
+    return aten.amin.default(x, [dim], keepdim), aten.argmin.default(x, dim, keepdim)
+
+
+def unbind(x, dim: int = 0):
+    """The pieces as selects (index math), for the reason split_with_sizes gives."""
+    dim = torch._prims_common.canonicalize_dim(x.dim(), dim)
+    torch._check_index(x.dim() > 0, lambda: "Dimension specified as 0 but tensor has no dimensions")
+    return tuple(aten.select.int(x, dim, i) for i in range(x.shape[dim]))
 
 
 def native_group_norm(x, weight, bias, n: int, c: int, hw: int, groups: int, eps: float):

@@ -998,6 +998,8 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
         return Opaque(OPAQUE[packet])
     if packet is aten.index_put:
         return _scatter(node)
+    if packet is aten.scatter:
+        return _one_hot_scatter(node)
     if (packet in (aten.argmax, aten.argmin) or packet is aten.abs and node.meta["val"].device.type == "cpu") \
             and _bool_operand(node):  # (CUDA's abs takes bools)
         return Opaque(f"{packet.__name__} of a bool tensor: eager raises (not implemented for 'Bool')")
@@ -1018,6 +1020,41 @@ def classify(node) -> Pointwise | Layout | Reduction | Opaque:
     if isinstance(target, torch._ops.OpOverload) and target.name() in NAMED:
         return NAMED[target.name()]
     return Opaque(f"no Triton lowering for {target}")
+
+
+def _one_hot_scatter(node) -> Pointwise | Opaque:
+    """`x.scatter(dim, index, value)` where index has one element along dim and x's sizes elsewhere (the
+    one-hot of a cross-entropy's backward, label smoothing's): pointwise, where(index == position, value, x);
+    an index outside [0, size) raises, as eager (CPU: its RuntimeError; CUDA: a device assert)."""
+    if node.target not in (aten.scatter.value, aten.scatter.src):
+        return Opaque("scatter with a reduction: left to eager")
+    x, dim, index = node.args[:3]
+    xs, ids = _shape(x), _shape(index)
+    dim = dim % max(len(xs), 1)
+    if len(xs) != len(ids) or ids[dim] != 1 or any(a != b for d, (a, b) in enumerate(zip(xs, ids)) if d != dim):
+        return Opaque("scatter at several positions per row, or by an index of another shape than the input's: "
+                      "left to eager")
+    if node.target is aten.scatter.src and _shape(node.args[3]) != ids:
+        return Opaque("scatter of a source larger than its index: left to eager")
+    if _out_of_range(node, node.args[3:4]):
+        return Opaque("a scattered value outside the tensor's dtype: eager raises (it cannot be converted without overflow)")
+    return _ONE_HOT
+
+
+def _one_hot(a: Args) -> str:
+    dim = a.node.args[1] % max(len(a.index), 1)
+    position = ix.texpr(a.index[dim]) if a.index else "0"
+    return f"tl.where({a[2]} == {position}, {_held(a, 3)}, {a[0]})"
+
+
+def _one_hot_index_in_range(a: Args) -> list:
+    x, dim = a.node.args[0], a.node.args[1] % max(len(_shape(a.node.args[0])), 1)
+    size = _shape(x)[dim] if _shape(x) else 1
+    return [Check(f"({a[2]} >= 0) & ({a[2]} < {ix.texpr(size)})",
+                  f"scatter: index out of bounds for dimension {dim} with size {size}")]
+
+
+_ONE_HOT = Pointwise(_one_hot, raw_args=(2,), checks=_one_hot_index_in_range)
 
 
 def _bool_operand(node) -> bool:

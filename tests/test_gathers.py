@@ -221,3 +221,51 @@ def test_hf_swin_training_step_leaves_no_layout_op_eager(device):
     eager = {u.op.split(".")[1] for r in backward for u in r.unfused}
     assert not eager & {"slice_scatter", "index_select", "constant_pad_nd", "roll"}, eager
     assert all(u.reason for r in backward for u in r.unfused)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_one_hot_scatter_is_pointwise(dtype, device):
+    """`x.scatter(dim, index, value)` with one index per row (the one-hot of a cross-entropy's backward) is
+    where(index == position, value, x) inside the region; it had run eagerly between two kernels.  By a value
+    and by a source tensor, on a middle dim, non-contiguous; an index out of range raises, as eager."""
+    x = torch.randn(5, 37, 23, device=device, dtype=dtype).transpose(0, 1)  # [37, 5, 23], non-contiguous
+    index = torch.randint(0, 5, (37, 1, 23), device=device)
+    src = torch.randn(37, 1, 23, device=device, dtype=dtype)
+
+    def fn(x, index, src):
+        y = x * 0.5  # small values: a 16-bit rounding of eager's between the ops stays within tolerance
+        return (y.scatter(1, index, -1.5) + 1).tanh(), y.scatter(1, index, src * 0.5).sin()
+
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(x, index, src), fn(x, index, src))
+    rep = fused.report
+    assert len(rep.regions) == 1 and not any("scatter" in u.op for u in rep.unfused), rep
+    if device == "cpu":  # on CUDA an out-of-range index is a device-side assert, fatal to the process
+        for bad_value in (5, -1):
+            bad = index.clone()
+            bad[3, 0, 7] = bad_value
+            with pytest.raises(RuntimeError, match="out of bounds"):
+                fn(x, bad, src)
+            with pytest.raises(RuntimeError, match="out of bounds"):
+                fused(x, bad, src)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropys_backward_is_fused_whole(smoothing, device):
+    """F.cross_entropy with ignored targets and label smoothing: its backward's one-hot (a scatter of -1 at
+    the target) fuses with the softmax's gradient; no op of the backward runs eagerly."""
+    logits = torch.randn(37, 211, device=device, requires_grad=True)
+    target = torch.randint(0, 211, (37,), device=device)
+    target[::5] = -100
+
+    def fn(logits, target):
+        return F.cross_entropy(logits * 0.5, target, label_smoothing=smoothing)
+
+    compiled = torch.compile(fn, backend="fuser")
+    start = len(fuser.reports())
+    loss = compiled(logits, target)
+    got = torch.autograd.grad(loss, logits)
+    want = torch.autograd.grad(fn(logits, target), logits)
+    assert_close_to_eager(got, want)
+    backward = [r for r in fuser.reports()[start:] if r.forward is not None]
+    assert backward and backward[0].regions and not backward[0].unfused, backward

@@ -981,3 +981,79 @@ def test_zero_size_reduction_reason(device):
     reason = next(u.reason for u in fused.report.unfused if u.op == "aten.sum.dim_IntList")
     assert reason.startswith("a reduction over an empty dim"), reason
     assert any("sum" in u.op for u in fused.report.unfused)
+
+_PIECES = {  # a pointwise producer, the tensor cut into pieces, the pieces read by pointwise work
+    "chunk (a GLU)": lambda x, b: (lambda g, u: F.silu(g) * u)(*(x * 1.7 + b).chunk(2, dim=-1)),
+    "split of unequal sizes": lambda x, b: (lambda p, q, r: p.exp() + q.sum(-1, keepdim=True) * r[..., :1])(
+        *torch.split(x.sin() + b, [3, x.shape[-1] - 7, 4], dim=-1)),
+    "unbind": lambda x, b: (lambda *rows: rows[0] * rows[-1] - rows[1])(*(x.tanh() + b).unbind(1)),
+    "split of a permuted tensor": lambda x, b: sum(p.square() for p in (x + b).transpose(0, 2).split(2, dim=0)),
+}
+
+
+@pytest.mark.parametrize("case", list(_PIECES))
+def test_pieces_of_split_chunk_unbind_fuse_with_their_producer(case, device):
+    """split/chunk/unbind decompose to slices and selects (fuser/decompositions.py): one op of several results
+    had been left eager, so the work that made the tensor ran as a kernel of its own.  Odd sizes, a size that
+    changes (symbolic pieces), gradients."""
+    fn = _PIECES[case]
+    fused = fuser.fuse(fn)
+    for shape in ((3, 5, 22), (2, 5, 30), (4, 5, 14)):
+        x = torch.randn(shape, device=device, requires_grad=True)
+        b = torch.randn(shape[-1], device=device, requires_grad=True)
+        out = fused(x, b)
+        assert_close_to_eager(out, fn(x, b))
+        rep = fused.report
+        assert rep.regions and not rep.all_fallbacks, rep
+        assert not any(u.op.split(".")[1] in ("split_with_sizes", "unbind", "add", "mul", "sin", "tanh")
+                       for u in rep.unfused), rep
+        grads = torch.autograd.grad(out.sum(), (x, b))
+        assert_close_to_eager(grads, torch.autograd.grad(fn(x, b).sum(), (x, b)))
+
+
+def test_dynamos_fused_multiply_add_is_lowered(device):
+    """Dynamo writes `addcmul_(t1, t2, value=v)` and `add_(x, alpha=tensor)` as Inductor's `prims.fma`
+    (a single-tensor Adam's second moment): decomposed to a * b + c, it fuses; it had run eagerly."""
+    def step(v, m, g, lr):
+        v.mul_(0.999).addcmul_(g, g, value=1 - 0.999)
+        m.add_(g, alpha=lr)
+        return m / (v.sqrt() + 1e-8)
+
+    args = [torch.rand(3, 423, 21, device=device), torch.randn(3, 423, 21, device=device),
+            torch.randn(3, 423, 21, device=device), torch.tensor(-0.3, device=device)]
+    mine = [a.clone() for a in args]
+    out = torch.compile(step, backend="fuser")(*mine)
+    expected = step(*args)
+    assert_close_to_eager(out, expected)
+    assert_close_to_eager(mine[:2], args[:2])
+    rep = fuser.last_report()
+    assert len(rep.regions) == 1 and not any("fma" in u.op or u.op.endswith("mul.Tensor") for u in rep.unfused), rep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32, torch.bool])
+def test_max_and_min_over_a_dim_and_whole(dtype, device):
+    """max(dim)/min(dim) as amax/amin and argmax/argmin (fused with their producers: the two-result op had run
+    eagerly), max()/min() as amax/amin: NaN rows give NaN and the first NaN's index, ties the first index,
+    as eager; bools stay the op.  The gradient is max's own: to the chosen index, or shared among ties."""
+    def fn(x):
+        v, i = (x * 3).max(-1)
+        w, j = (x * 3).min(1, keepdim=True)
+        return v, i, w, j, (x * 2).max(), (x * 2).min()
+
+    x = torch.randint(-4, 5, (3, 7, 13), device=device).to(dtype)  # small integers: many ties
+    if dtype.is_floating_point:
+        x[0, 2, 5] = x[1, 3, 0] = float("nan")
+        x[2, 1, 4] = float("inf")
+        x.requires_grad_()
+    elif dtype == torch.bool:
+        fn = lambda x: (x.max(-1), x.min(1, keepdim=True), x.max(), x.min())  # noqa: E731
+    fused = fuser.fuse(fn)
+    out = fused(x)
+    assert_close_to_eager(out, fn(x), equal_nan=True)
+    if dtype != torch.bool:
+        rep = fused.report
+        assert not any(u.op.split(".")[1] in ("max", "min", "mul") for u in rep.unfused), rep
+    if dtype == torch.float32:
+        y = x.detach().nan_to_num().requires_grad_()
+        grads = torch.autograd.grad([o.sum() for o in fused(y) if o.is_floating_point()], y)
+        assert_close_to_eager(grads, torch.autograd.grad([o.sum() for o in fn(y) if o.is_floating_point()], y))

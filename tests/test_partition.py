@@ -475,12 +475,14 @@ def test_a_sibling_merge_codegen_refuses_gives_back_the_groups_fusion(device):
 
 
 def test_a_view_of_a_matmul_at_an_unaligned_offset_is_checked(device):
-    """A split's second piece of a matmul's result starts 24 bytes in: the kernel reading it checks it (its
-    pointer's alignment, which the compiled kernel's fast path assumes), while the piece at offset 0 is trusted."""
+    """A view of a matmul's result the kernels cannot take as index math (as_strided) starting 24 bytes in: the
+    kernel reading it checks it (its pointer's alignment, which the compiled kernel's fast path assumes),
+    while a view at offset 0 is trusted.  (A split's pieces are slices, read from the matmul's result.)"""
     from fuser.runtime import RegionKernel
 
     def f(x, w):
-        a, b = (x @ w).split([1, 4], dim=0)
+        y = x @ w
+        a, b = y.as_strided((1, 6), (6, 1), 0), y.as_strided((4, 6), (6, 1), 6)
         return torch.tanh(b) * 2 + 1, torch.tanh(a) * 3 + 1
 
     from fuser import backend
@@ -491,7 +493,17 @@ def test_a_view_of_a_matmul_at_an_unaligned_offset_is_checked(device):
     compiled = torch.compile(f, backend=backend.make_backend(lambda report, gm: graphs.append(gm)))
     assert_close_to_eager(compiled(x, w), f(x, w))
     kernels = {m.in_sigs[0].shape: m for g in graphs for m in g.modules() if isinstance(m, RegionKernel)}
-    assert kernels[(4, 6)].checked == (0,) and kernels[(1, 6)].checked == (), kernels
+    assert kernels[(4, 6)].checked == (0,), kernels
+
+    def pieces(x, w):
+        a, b = (x @ w).split([1, 4], dim=0)
+        return torch.tanh(b) * 2 + 1, torch.tanh(a) * 3 + 1
+
+    graphs.clear()
+    assert_close_to_eager(torch.compile(pieces, backend=backend.make_backend(lambda report, gm: graphs.append(gm)))(x, w),
+                          pieces(x, w))
+    (kernel,) = [m for g in graphs for m in g.modules() if isinstance(m, RegionKernel)]
+    assert kernel.in_sigs[0].shape == (5, 6) and kernel.checked == (), kernel  # the matmul's result, trusted
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
