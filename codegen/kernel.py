@@ -339,8 +339,10 @@ class KernelWriter:
         for src, src_idx, bounds in reversed(branches):
             if bounds is not None and not isinstance(bounds[0], tuple):
                 bounds = (bounds,)
-            here = None if bounds is None else " & ".join(c for b in bounds if (c := self._in_bounds(idx[b[2]], *b)))
-            here = here or None  # every bound holds at every size: the branch is taken throughout
+            conds = [] if bounds is None else [self._in_bounds(idx[b[2]], *b) for b in bounds]
+            if None in conds and result is not None:  # a bound that fails at every size: never taken
+                continue
+            here = " & ".join(c for c in conds if c) or None  # "": a bound that holds at every size
             sub_cond = cond if here is None else (f"({cond}) & {here}" if cond else here)
             v = self.value(src, self._alias_bounded(src_idx, bounds), sub_cond)
             v = convert(v, self.dtypes[v], cdt)
@@ -349,13 +351,17 @@ class KernelWriter:
             result = f"({result}).to({TL_DTYPE[cdt]})"
         return self.new(result, cdt)
 
-    def _in_bounds(self, i, lo, hi, d, step=1) -> str:
-        """Triton source: lo <= i < hi, and i - lo a multiple of step (a strided slice_scatter); "" where
-        i is a function of sizes alone that lies in [lo, hi) at every size (circular padding's wrapped row
-        of a symbolic height: a scalar condition, which Triton's interpreter cannot mask with)."""
+    def _in_bounds(self, i, lo, hi, d, step=1) -> str | None:
+        """Triton source: lo <= i < hi, and i - lo a multiple of step (a strided slice_scatter).  Where i is
+        a function of sizes alone (circular padding's wrapped row, a pad's last column at a symbolic width),
+        decided at compile time where the sizes' ranges decide it: "" if it holds at every size, None if at
+        none (a scalar condition, which Triton's interpreter cannot mask with: the graph had run eagerly)."""
         e = self.expand_aliases(sympy.sympify(i))
-        if step == 1 and e.free_symbols <= self.sizes.hints.keys() and self.sizes.nonneg(e - lo) and self.sizes.lt(e, hi):
-            return ""
+        if step == 1 and e.free_symbols <= self.sizes.hints.keys():
+            if self.sizes.nonneg(e - lo) and self.sizes.lt(e, hi):
+                return ""
+            if self.sizes.lt(e, lo) or self.sizes.nonneg(e - hi):
+                return None
         i = ix.texpr(e)
         here = f"(({i}) >= {ix.texpr(lo)}) & (({i}) < {ix.texpr(hi)})"
         return here if step == 1 else f"{here} & ((({i}) - {ix.texpr(lo)}) % {step} == 0)"

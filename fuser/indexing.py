@@ -544,8 +544,19 @@ class PythonPrinter(TritonPrinter):
 
 
 def texpr(e) -> str:
-    return TritonPrinter().doprint(sympy.sympify(e))
+    """Triton source of e, bracketed where it is a sum, product or power: callers splice it next to other
+    operators (`i - {lo}`, `{i} * {step}`, `-{n}`, `% {size}`), where `s0 - 5` or `2*s0` unbracketed changed
+    the arithmetic (a strided slice_scatter at a symbolic start wrote other rows; an arange of step 2 under
+    a cat read other values: silent wrong answers)."""
+    return _bracketed(TritonPrinter(), e)
 
 
 def pyexpr(e) -> str:
-    return PythonPrinter().doprint(sympy.sympify(e))
+    """Host Python source of e, bracketed as texpr."""
+    return _bracketed(PythonPrinter(), e)
+
+
+def _bracketed(printer, e) -> str:
+    e = sympy.sympify(e)
+    text = printer.doprint(e)
+    return f"({text})" if e.is_Add or e.is_Mul or e.is_Pow or (e.is_Number and e < 0) else text

@@ -434,3 +434,47 @@ def test_padding_modes_at_symbolic_sizes(mode, device):
         x = torch.randn(2, 3, n, n + 2, device=device)
         assert_close_to_eager(fused(x), fn(x))
         assert fused.report.regions and not fused.report.all_fallbacks, fused.report
+
+
+def _rope_cat(x):  # RoPE's inverse frequencies, an arange of step 2, read twice through a cat
+    d = x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device).float() / d))
+    ang = torch.arange(x.shape[-2], device=x.device).float()[:, None] * inv[None, :]
+    return x * torch.cat([ang, ang], -1).cos()
+
+
+def _strided_write(x, v):  # a strided slice_scatter from a symbolic start
+    y = x.clone() * 2
+    y[:, x.shape[1] - 5::3] = v
+    return y + 1
+
+
+_BRACKETS = {  # (function, its inputs at length n)
+    "arange of step 2 under a cat": (_rope_cat, lambda n: (torch.randn(2, n, 2 * n),)),
+    "slice of a stepped arange": (lambda x: x + torch.arange(0, 2 * x.shape[-1] + 6, 2, device=x.device)[3:].float(),
+                                  lambda n: (torch.randn(2, n, n),)),
+    "strided write at a symbolic start": (_strided_write, lambda n: (torch.randn(2, n + 3),
+                                                                     torch.randn(2, len(range(n - 2, n + 3, 3))))),
+    "index from the end of a cat": (lambda x, i: torch.cat([x, x[:1]])[i] * 2,
+                                    lambda n: (torch.randn(n, 3), torch.tensor([-(n + 1), -n, 0, n]))),
+    "pool to 3 from a ceil-mode pool": (lambda h: F.adaptive_avg_pool2d(F.avg_pool2d(h, 2, ceil_mode=True), 3),
+                                        lambda n: (torch.randn(1, 2, 2 * n - 4, 2 * n - 4),)),
+    "a pad's last column": (lambda x: F.pad(x, (0, 1), value=2.0)[..., -1].sin() + x[..., 0],
+                            lambda n: (torch.randn(3, n),)),
+    "a cat's last column": (lambda x: torch.cat([x, x[:, :1] * 3], 1)[:, -1] + 1, lambda n: (torch.randn(3, n),)),
+}
+
+
+@pytest.mark.parametrize("case", list(_BRACKETS))
+def test_size_expressions_keep_their_brackets(case, device):
+    """Index math spliced a symbolic size or step next to other operators unbracketed (`i - s0 - 5` for
+    `i - (s0 - 5)`, `x % 8 - 4 * 2` for an arange of step 2 read at `x % 8 - 4`, `-s0 + 1` for `-(s0 + 1)`):
+    silent wrong answers, and range checks that raised where eager does not.  A branch whose bound is decided
+    by sizes alone (a pad's last column) is taken or skipped at compile time."""
+    fn, make = _BRACKETS[case]
+    fused = fuser.fuse(fn)
+    for n in (8, 10, 14, 3):
+        args = [a.to(device) for a in make(n)]
+        assert_close_to_eager(fused(*args), fn(*args))
+        assert not fused.report.all_fallbacks, fused.report
+    assert fused.report.regions, fused.report
