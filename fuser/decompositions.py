@@ -50,6 +50,7 @@ def _table() -> dict:
     table[aten.max.dim], table[aten.min.dim] = max_dim, min_dim
     table[aten.max.default], table[aten.min.default] = aten.amax.default, aten.amin.default
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
+    table[aten._adaptive_avg_pool2d.default] = functools.partial(adaptive_avg_pool2d, table[aten._adaptive_avg_pool2d.default])
     table[aten.mm.default] = table[aten.bmm.default] = outer_product
     for op in [*ops.KEEP_WHOLE, aten.baddbmm]:  # baddbmm: one cuBLAS call (BLOOM's scores: see patterns)
         for overload in op.overloads():
@@ -142,6 +143,16 @@ def native_group_norm_backward(dy, x, mean, rstd, weight, n: int, c: int, hw: in
     if mask[2]:
         db = torch.sum(dy, dim=[0, 3]).reshape(c).to(out_dtype)
     return dx, dw, db
+
+
+def adaptive_avg_pool2d(torchs, x, output_size):
+    """torch's decomposition (`torchs`) where it adds no guard: it branches in Python on `H % out` and
+    `out % (H % out)`, so over a symbolic H (or W) pooled to more than one cell each residue of the size
+    was a graph of its own (`interpolate(mode="area")` over 12 image sizes met Dynamo's recompile limit).
+    There the op stays whole (eager's kernel).  A global pool (out 1) branches on nothing."""
+    if any(not isinstance(i, int) and o != 1 for i, o in zip(x.shape[-2:], output_size)):
+        return NotImplemented
+    return torchs(x, output_size)
 
 
 def adaptive_avg_pool2d_backward(grad, x):

@@ -304,3 +304,23 @@ def test_adaptive_average_pool_fuses_forward_and_backward(device, layout, size):
     ops = {o for r in fused.reports for reg in r.regions for o in reg.ops}
     assert not any("adaptive" in o for o in ops | {u.op for r in fused.reports for u in r.unfused}), fused.reports
     assert all(r.regions and not r.all_fallbacks for r in fused.reports), fused.reports
+
+
+@pytest.mark.parametrize("size", [(5, 7), 1], ids=["to-5x7", "global"])
+def test_adaptive_pooling_over_many_image_sizes_compiles_few_graphs(device, size):
+    """torch's decomposition of adaptive pooling branches on `H % out`: over symbolic sizes each residue was
+    a graph of its own, until Dynamo's recompile limit ran every later size eagerly.  Pooled to more than
+    one cell there, the op stays whole; a global pool still decomposes (a mean, fused), in either case with
+    at most two graphs over nine sizes."""
+    def fn(x):
+        return nn.functional.interpolate(x, size=size, mode="area") * 1.5 + 1 if size != 1 else \
+            nn.functional.adaptive_avg_pool2d(x.relu(), 1) * 1.5 + 1
+
+    fused = fuser.fuse(fn)
+    for s in (16, 31, 20, 57, 9, 24, 33, 12, 41):
+        x = torch.randn(2, 4, s, s + 3, device=device)
+        torch.testing.assert_close(fused(x), fn(x), **tol(torch.float32))
+        assert fused.report.regions and not fused.report.all_fallbacks, fused.report
+    assert len(fused.reports) <= 2, [r.regions for r in fused.reports]
+    if size == 1:
+        assert any("mean" in o or "sum" in o for r in fused.report.regions for o in r.ops), fused.report
