@@ -239,8 +239,8 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
         try:
             dropped = drop_constant_masks(gm) + contiguous_masks(gm) if opts["attention"] is not False else []  # in place: `given` too
             claimed[:] = dropped
-            if opts["attention"] is True or opts["fused_loss"] or opts["dropout"]:
-                gm, notes = _claimed(gm, example_inputs, opts["attention"] is True, opts["fused_loss"], opts["dropout"])
+            if opts["attention"] or opts["fused_loss"] or opts["dropout"]:
+                gm, notes = _claimed(gm, example_inputs, opts["attention"], opts["fused_loss"], opts["dropout"])
                 claimed[:] += notes
             return aot(gm, example_inputs)
         except (RestartAnalysis, SkipFrame):
@@ -266,7 +266,7 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
     return backend
 
 
-def _claimed(gm, example_inputs, attention: bool, loss: bool, dropout: bool):
+def _claimed(gm, example_inputs, attention: bool | str, loss: bool, dropout: bool):
     """pregrad.claim, or Dynamo's graph as given (with the reason) where the trace it makes fails."""
     try:
         return claim(gm, example_inputs, attention, loss, dropout)

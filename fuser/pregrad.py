@@ -146,9 +146,10 @@ class _SymbolicMatmul(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool = True,
+def claim(gm: fx.GraphModule, example_inputs, attention: bool | str = True, loss: bool = True,
           dropout: bool = True) -> tuple[fx.GraphModule, list[str]]:
-    """(the graph AOT Autograd should trace, notes for the report).  `attention`: claim attention;
+    """(the graph AOT Autograd should trace, notes for the report).  `attention`: claim attention (as the
+    `attention` option: True, SDPA where exact, else our kernel; "triton", our kernel always);
     `loss`: claim a linear layer feeding only a cross-entropy (fuser/linear_ce.py); `dropout`: claim
     dropout as the seeded op fused into regions (fuser/dropout.py)."""
     if not _needs_grad(example_inputs):
@@ -168,7 +169,7 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool = True, loss: bool
     if wanted == "SDPA's kernel" and not pinned:
         return gm, []  # SDPA calls alone, none the trace would take otherwise than eager: Dynamo's graph as is
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
-    notes = _claim_attention(traced, example_inputs) if attention else []
+    notes = _claim_attention(traced, example_inputs, ours_only=attention == "triton") if attention else []
     if "attention" in wanted and not notes:
         notes.append("attention in training left to its ops: a softmax feeds a matmul, but no attention was recognised "
                      "there (patterns/attention.py: Q @ K^T, a score chain, softmax, @ V, over a static head dim)")
@@ -216,8 +217,8 @@ def _keep_sources(gm: fx.GraphModule, traced: fx.GraphModule) -> None:
     traced._param_name_to_source = sources
 
 
-def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:
-    """Each attention of the traced graph rewritten as SDPA or as our op; notes."""
+def _claim_attention(traced: fx.GraphModule, example_inputs, ours_only: bool = False) -> list[str]:
+    """Each attention of the traced graph rewritten as SDPA or as our op (`ours_only`: as our op); notes."""
     normalize_attention(traced.graph)
     cg = ComputeGraph(traced.graph)
     notes, fixups = [], {}
@@ -237,6 +238,8 @@ def _claim_attention(traced: fx.GraphModule, example_inputs) -> list[str]:
                          f"bias, and SDPA's backward loses a row it masks whole){how}")
             continue
         try:
+            if ours_only:
+                raise sdpa.NotExpressible('the option attention="triton" asks for our kernel')
             text, _ = sdpa.lower(traced, a, fixups)
         except sdpa.NotExpressible as e:
             why, how = _claim_for_our_kernel(traced, a, cg, learned, static)

@@ -174,6 +174,25 @@ def test_attention_claimed_before_autograd_or_left_with_a_reason(case, device):
     assert any(expected in n for n in notes), notes
 
 
+def test_attention_option_triton_claims_our_kernel_in_training(device):
+    """`attention="triton"` (our kernel always) holds in training too: attention SDPA would take is claimed as
+    our op and its backward (it had been left to its ops, the probabilities saved, without a note)."""
+    torch.manual_seed(14)
+    model = _Attention().to(device)
+    twin = copy.deepcopy(model)
+    fused = fuser.fuse(model, attention="triton")
+    x = torch.randn(2, 13, 32, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, ref = fused(x), twin(x2)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, atol=2e-5, rtol=2e-5)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=2e-5)
+    assert any("attention claimed before autograd (our kernel" in n for n in _claims(fused)), _claims(fused)
+
+
 def test_attention_dropout_in_training(device):
     """Dropout on the attention probabilities runs inside SDPA: seeded (the same seed, the same output
     and gradients), its mean over draws is the output without dropout, and gradients flow."""
