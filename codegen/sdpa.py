@@ -203,8 +203,9 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
     Raises NotExpressible (the graph unchanged) where SDPA cannot compute what eager does.
     `fixups` holds, per mask node, the copy SDPA takes (clamped, its keys adjacent) and its "row fully
     -inf" node, shared by the attentions of one graph.  `buffers`: inputs that are the same tensors every
-    call (parameters and buffers; empty where CUDA graphs replay the calls): a mask computed from them alone is checked
-    at run time for torch's causal mask (causal_or_masked), and for a sliding window, which then runs
+    call (parameters and buffers; empty where CUDA graphs replay the calls): a mask computed from them alone, or
+    from sizes alone (aranges at a symbolic length: checked once per length), is checked at run time for torch's
+    causal mask (causal_or_masked), and for a sliding window, which then runs
     `structured(q, k, v, window, scale)` (our kernel); a mask of neither runs `listed` (causal_or_masked)."""
     graph = gm.graph
     q, k, v = att.q, att.k, att.v
@@ -236,8 +237,11 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
                 c = build(aten._to_copy.default, c, dtype=qdt)
             checked = c
             sources = mask_sources(checked) if c is not None and value is None else []
+            sizes = size_sources(checked) if c is not None and value is None and not sources else []
+            sources = sources or sizes  # a mask made from sizes alone (aranges at a symbolic length)
             filled = any(packet(n) in (aten.masked_fill, aten.where) for n in att.chain)
-            if not set(sources) <= set(buffers) or m != shape(k)[2] or att.dropout or not filled:  # a padding mask (new every call), or
+            if not set(sources) <= set(buffers) | set(sizes) or m != shape(k)[2] or att.dropout \
+                    or not filled:  # a padding mask (new every call), or
                 sources = []  # a decode step (torch's causal mask is square), a bias (T5's: no fill)
             if c is not None and not sources:  # shared by the attentions reading the same mask (T5's position bias)
                 if ("given", checked) not in fixups:
@@ -476,7 +480,28 @@ def mask_sources(mask: fx.Node) -> list:
     return sorted(found, key=lambda n: n.name)
 
 
+def size_sources(mask: fx.Node) -> list:
+    """The size inputs (symbolic ints) a mask is computed from, where it reads no tensor input and draws no
+    random numbers (a causal mask from aranges at a symbolic length), else []."""
+    seen, todo, found = set(), [mask], []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if not isinstance(n.meta.get("val"), torch.SymInt):
+                return []
+            found.append(n)
+        elif n.op == "call_function":
+            if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
+                return []
+            todo += n.all_input_nodes
+    return sorted(found, key=lambda n: n.name)
+
+
 RECHECKS = 3  # inputs that are new tensors every call: checked again this many times, then the mask is used as given
+SIZE_ANSWERS = 64  # sizes a mask made from sizes alone is checked at, per call site; at others it is used as given
 
 
 class RunTimeCheck:
@@ -484,10 +509,12 @@ class RunTimeCheck:
     buffers: causal? a window?), kept with its inputs' weak refs, versions and addresses and worked out again
     only when an input is another tensor, was written in place or pointed at other memory (`.data =`), at most
     RECHECKS times after the first; then None (the mask is applied as given).  Inputs made under
-    `torch.inference_mode()` keep no version: None for them (never a stale answer)."""
+    `torch.inference_mode()` keep no version: None for them (never a stale answer).  Sources that are sizes (a
+    mask made from aranges at symbolic lengths): the answer is kept per set of sizes, SIZE_ANSWERS of them."""
 
     def __init__(self):
         self.stamp, self.answer, self.checks, self.value, self.current = None, None, 0, None, False
+        self.by_size: dict = {}  # a mask made from sizes alone: the answer per set of sizes
 
     def _same(self, sources) -> bool:
         return self.stamp is not None and len(self.stamp) == len(sources) and all(
@@ -495,6 +522,13 @@ class RunTimeCheck:
 
     def __call__(self, sources, compute):
         self.current = False
+        if sources and all(isinstance(x, int) for x in sources):  # sizes: the answer is theirs, checked once each
+            key = tuple(sources)
+            if key not in self.by_size:
+                if len(self.by_size) >= SIZE_ANSWERS:
+                    return None
+                self.by_size[key] = compute()
+            return self.by_size[key]
         if any(x.is_inference() for x in sources):
             return None
         self.current = self._same(sources)

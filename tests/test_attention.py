@@ -757,6 +757,35 @@ def test_a_causal_mask_in_a_buffer_is_recognised_at_run_time(device):
     assert "checked at run time" in r.source and "sliding window" in r.source and r.kernel == "sdpa"
 
 
+def test_a_causal_mask_from_aranges_at_symbolic_lengths_is_recognised_at_run_time(monkeypatch, device):
+    """A causal mask the program builds from aranges (or a window over them) is a constant at a static length
+    (is_causal at compile time); at symbolic lengths it is checked at run time, once per length, and SDPA runs
+    is_causal (it had run SDPA's masked kernel, reading the T x T mask, from the second length on).  A mask
+    of no structure at some length is used as given there."""
+    from fuser.codegen import sdpa
+    calls = []
+    real = sdpa._structure
+    monkeypatch.setattr(sdpa, "_structure", lambda *a: calls.append(real(*a)) or calls[-1])
+
+    def attn(q, k, v, window):
+        i = torch.arange(q.shape[2], device=q.device)
+        keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window + (q.shape[2] > 30) * 1000)
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v
+
+    torch.manual_seed(14)
+    fused = fuser.fuse(attn)
+    lengths = (12, 17, 33, 17, 21, 33)
+    with torch.no_grad():
+        for n in lengths:
+            q, k, v = _qkv(device, m=n, n=n)
+            window = 1000 if n != 21 else 4  # a window where the length is 21: not causal alone
+            torch.testing.assert_close(fused(q, k, v, window), attn(q, k, v, window), equal_nan=True, **TOL[q.dtype])
+    assert calls == [(0, None), (0, None), (0, 4)], calls  # lengths 17, 33, 21: once each (12 static, no check)
+    (r,) = _attention_regions(fused)
+    assert "checked at run time" in r.source, r.source
+
+
 def test_no_run_time_check_under_cuda_graphs(device):
     """A replayed CUDA graph cannot branch on a value: the mask is then always applied as given."""
     torch.manual_seed(14)
