@@ -35,7 +35,9 @@ class _DynamoGaveUp(logging.Filter):
 
     def filter(self, record):
         if str(record.msg).startswith("torch._dynamo hit config."):
-            _DynamoGaveUp.last = record.getMessage().splitlines()[0]
+            lines = [line.strip() for line in record.getMessage().splitlines()]
+            function = next((line for line in lines[1:] if line.startswith("function:")), None)
+            _DynamoGaveUp.last = f"{lines[0]} ({function})" if function else lines[0]
         return True
 
 
@@ -105,6 +107,7 @@ class FusedModule(torch.nn.Module):
         # (nn.Module.__setattr__ costs microseconds)
         self._step = types.SimpleNamespace(ran_graph=False)
         self._warned: set = set()  # reasons already said at WARNING
+        self._parts_given_up: list[str] = []  # Dynamo's reasons for functions inside the model it gave up on
         self._breaks = _GraphBreaks()
         self._generating = False
         self.graph_modules: list[torch.fx.GraphModule] = []  # the rewritten graphs, in capture order
@@ -184,7 +187,22 @@ class FusedModule(torch.nn.Module):
             if _DynamoGaveUp.last:
                 entry.gave_up = _DynamoGaveUp.last
             self._ran_eagerly(entry.gave_up or "Dynamo ran this call without a graph (nothing fused ran)")
+        elif _DynamoGaveUp.last or self._parts_given_up:
+            self._part_ran_eagerly(_DynamoGaveUp.last)
         return out
+
+    def _part_ran_eagerly(self, reason: str | None):
+        """Dynamo gave up on a function inside the model, a frame of its own past a graph break (a decorator
+        every layer class shares: a frame per class, past the recompile limit), while other graphs ran: from
+        then on that function runs eagerly wherever it has no graph, and Dynamo says nothing more.  Said in
+        the report of every later call and, once, at WARNING."""
+        if reason and reason not in self._parts_given_up:
+            self._parts_given_up.append(reason)
+            log.warning("fuser: part of %s runs eagerly from now on: %s", self._name, reason)
+        lines = [f"part of this model runs eagerly (Dynamo gave up on a function inside it): {r}"
+                 for r in self._parts_given_up]
+        if not any(line in r.fallbacks for r in self._latest for line in lines):
+            self._latest.append(FusionReport(fallbacks=lines))
 
     def _ran(self, report: FusionReport):
         """The backend's runners call this (through _route_ran) as each graph runs: the report lists each

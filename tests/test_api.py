@@ -407,3 +407,34 @@ def test_a_second_model_fused_starts_at_its_own_sizes(device):
     loss = y.square().mean()
     loss.backward(retain_graph=True)
     loss.backward()
+
+
+def _shared_decorator(fn):
+    def wrapped(self, x):  # one code object for every layer class (Hugging Face's deprecate_kwarg, say)
+        return fn(self, x)
+    return wrapped
+
+
+def test_a_function_inside_the_model_dynamo_gives_up_on_is_reported(device, caplog):
+    """A decorator every layer class shares, with a graph break inside the layers: Dynamo compiles the decorator's
+    frame once per class and gives up on it past its recompile limit, while the graphs before it still run.  That
+    part of the model then runs eagerly: said in the report's fallbacks of that call and every later one, and once
+    at WARNING (it had been said nowhere but in torch's own log)."""
+    def layer(i):
+        class Layer(torch.nn.Module):
+            @_shared_decorator
+            def forward(self, x):
+                y = torch.tanh(x) * 0.9 + 0.01 * i
+                torch._dynamo.graph_break()
+                return torch.relu(y) - 0.5 * torch.sigmoid(y)
+        return Layer()
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), *[layer(i) for i in range(torch._dynamo.config.recompile_limit + 3)])
+    model = model.to(device)
+    fused = fuser.fuse(model)
+    x = torch.randn(4, 32, device=device)
+    with caplog.at_level("WARNING", logger="fuser"), torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(fused(x), model(x), **TOL)
+            assert any("recompile_limit" in f and "wrapped" in f for f in fused.report.all_fallbacks), fused.report
+    assert caplog.text.count("runs eagerly from now on") == 1
