@@ -357,12 +357,13 @@ class KernelWriter:
         decided at compile time where the sizes' ranges decide it: "" if it holds at every size, None if at
         none (a scalar condition, which Triton's interpreter cannot mask with: the graph had run eagerly)."""
         e = self.expand_aliases(sympy.sympify(i))
-        if step == 1 and e.free_symbols <= self.sizes.hints.keys():
-            if self.sizes.nonneg(e - lo) and self.sizes.lt(e, hi):
+        i = ix.texpr(e)
+        if e.free_symbols <= self.sizes.hints.keys():
+            if step == 1 and self.sizes.nonneg(e - lo) and self.sizes.lt(e, hi):
                 return ""
             if self.sizes.lt(e, lo) or self.sizes.nonneg(e - hi):
                 return None
-        i = ix.texpr(e)
+            i = f"({i} + 0 * x)"  # undecided (the size's parity under a step): a block, as the interpreter masks with
         here = f"(({i}) >= {ix.texpr(lo)}) & (({i}) < {ix.texpr(hi)})"
         return here if step == 1 else f"{here} & ((({i}) - {ix.texpr(lo)}) % {step} == 0)"
 

@@ -196,14 +196,15 @@ def finite(n, depth: int = 0) -> bool:
     return False
 
 
-def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
+def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set | None = None,
           structured=None, listed=None) -> tuple[str, list]:  # att: patterns.attention.Attention
     """Rewrites `att` in gm's graph as one SDPA call; returns the call as text for the report, and
     the nodes made.
     Raises NotExpressible (the graph unchanged) where SDPA cannot compute what eager does.
     `fixups` holds, per mask node, the copy SDPA takes (clamped, its keys adjacent) and its "row fully
     -inf" node, shared by the attentions of one graph.  `buffers`: inputs that are the same tensors every
-    call (parameters and buffers; empty where CUDA graphs replay the calls): a mask computed from them alone, or
+    call (parameters and buffers); None where nothing may be checked at run time (CUDA graphs replay the calls;
+    the trace before autograd, where the check would be traced, not run): a mask computed from them alone, or
     from sizes alone (aranges at a symbolic length: checked once per length), is checked at run time for torch's
     causal mask (causal_or_masked), and for a sliding window, which then runs
     `structured(q, k, v, window, scale)` (our kernel); a mask of neither runs `listed` (causal_or_masked)."""
@@ -237,10 +238,10 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set = frozenset(),
                 c = build(aten._to_copy.default, c, dtype=qdt)
             checked = c
             sources = mask_sources(checked) if c is not None and value is None else []
-            sizes = size_sources(checked) if c is not None and value is None and not sources else []
+            sizes = size_sources(checked) if c is not None and value is None and not sources and buffers is not None else []
             sources = sources or sizes  # a mask made from sizes alone (aranges at a symbolic length)
             filled = any(packet(n) in (aten.masked_fill, aten.where) for n in att.chain)
-            if not set(sources) <= set(buffers) | set(sizes) or m != shape(k)[2] or att.dropout \
+            if not set(sources) <= set(buffers or ()) | set(sizes) or m != shape(k)[2] or att.dropout \
                     or not filled:  # a padding mask (new every call), or
                 sources = []  # a decode step (torch's causal mask is square), a bias (T5's: no fill)
             if c is not None and not sources:  # shared by the attentions reading the same mask (T5's position bias)

@@ -60,7 +60,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     report = FusionReport()
     if attention and normalize_attention(gm.graph):  # BLOOM's scores: Q·Kᵀ and a bias, for the recogniser
         gm.recompile()
-    not_sdpa, lowered = _lower_to_sdpa(gm, graph_index, report, () if cuda_graphs else static) if attention is True else ({}, set())
+    not_sdpa, lowered = _lower_to_sdpa(gm, graph_index, report, None if cuda_graphs else static) if attention is True else ({}, set())
     shared = share_kv_heads(gm)
     cg = ComputeGraph(gm.graph)
     # our kernel reads every operand on the query's device (a CPU scale tensor of Dynamo's is not)
@@ -238,15 +238,16 @@ def _one_device(a) -> bool:
     return not a.dropout and not a.safe and all(meta(n).device == meta(a.q).device for n in a.inputs)
 
 
-def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, static: tuple) -> dict:
+def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, static: tuple | None) -> dict:
     """Each attention SDPA can compute exactly becomes one SDPA call (codegen/sdpa.py), reported as
     a region; returns {output node: why not} for the others, which go to our own kernel, and the
-    SDPA calls made (not listed as left to eager: they are the lowering)."""
+    SDPA calls made (not listed as left to eager: they are the lowering).  `static`: the indices of the
+    parameters and buffers; None where no mask may be checked at run time (CUDA graphs)."""
     cg = ComputeGraph(gm.graph)
     hints = dict(cg.sizes.hints)
     why, changed, fixups, calls = {}, [], {}, set()
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    buffers = {inputs[i] for i in static if i < len(inputs)}
+    buffers = None if static is None else {inputs[i] for i in static if i < len(inputs)}
     found = find(gm.graph, cg)
     # eager's cost of each, on the graph as captured: a lowering rewires the attentions after it (one reading
     # another's output would be read through the SDPA call, which `cg` has never seen)
