@@ -105,14 +105,25 @@ class Sizes:
         e = expr(e)
         if e.is_Number:
             return e >= 0
-        return bool(self.bounds(e).lower >= 0)
+        return self._lower(e) >= 0
 
     def lt(self, a, b) -> bool:
         """a < b for every size the graph may be called with."""
         d = sympy.expand(expr(b) - expr(a))
         if d.is_Number:
             return bool(d > 0)
-        return bool(self.bounds(d).lower > 0)
+        return self._lower(d) > 0
+
+    def _lower(self, e):
+        """A lower bound of e over the sizes' ranges: of e, and of e factored where that bounds it higher (intervals
+        lose the correlation of a size's terms: s*t - s is >= -inf term by term, s*(t - 1) >= 2; XLNet's shifted
+        scores at a symbolic length had been refused a kernel)."""
+        lower = self.bounds(e).lower
+        if lower < 0 and e.is_Add and any(len(t.free_symbols) > 1 for t in e.args):  # (linear: the bound is exact)
+            factored = sympy.factor(e)
+            if factored != e:
+                lower = max(lower, self.bounds(factored).lower)
+        return lower
 
     def divides(self, d, e) -> bool:
         """e is a multiple of d for every size (d, e integer expressions)."""

@@ -764,6 +764,22 @@ def _nonneg(e, ranges) -> bool:
     return ranges.sizes.nonneg(e) if isinstance(ranges, ix.Ranges) else e >= 0
 
 
+def _start(start, size, ranges, what: str, clamp: bool = True):
+    """A slice's start (or a select's index) as eager reads it: from the end where negative, clamped into
+    [0, size] for a slice.  Over symbolic sizes a start that is negative at every size (`x[:, -2:]` at a
+    symbolic length, the backward's slice_scatter of it) is size + start (Max(0, .) where the ranges do not
+    keep it in range); one whose sign the ranges do not decide raises (the region is left to eager)."""
+    if start.is_Integer and size.is_Integer:
+        start = start + size if start < 0 else start
+        return min(max(start, 0), size) if clamp else start
+    if _nonneg(start, ranges):
+        return start
+    if _nonneg(-start - 1, ranges):
+        wrapped = size + start
+        return wrapped if not clamp or _nonneg(wrapped, ranges) else sympy.Max(0, wrapped)
+    raise ValueError(f"{what} {start} may be negative")
+
+
 def _view(node, idx, ranges):
     src = node.args[0]
     flat = ix.linearize(idx, _shape(node))
@@ -791,12 +807,7 @@ def _slice(node, idx, ranges):
     dim, start, _, step = (tuple(node.args[1:]) + (0, None, None, 1))[:4]
     dim %= len(idx)
     size = _shape(src)[dim]
-    start = sympy.Integer(0) if start is None else _size_arg(start)
-    if start.is_Integer and size.is_Integer:
-        start = start + size if start < 0 else start
-        start = min(max(start, 0), size)
-    elif not _nonneg(start, ranges):
-        raise ValueError(f"slice start {start} may be negative")
+    start = _start(sympy.Integer(0) if start is None else _size_arg(start), size, ranges, "slice start")
     out = list(idx)
     out[dim] = start + idx[dim] * (step or 1)
     return [(src, tuple(out), None)], None
@@ -806,10 +817,7 @@ def _select(node, idx, ranges):
     src = node.args[0]
     dim, i = node.args[1], _size_arg(node.args[2])
     dim %= len(_shape(src))
-    if i.is_Integer:
-        i = i + _shape(src)[dim] if i < 0 else i
-    elif not _nonneg(i, ranges):
-        raise ValueError(f"select index {i} may be negative")
+    i = _start(i, _shape(src)[dim], ranges, "select index", clamp=False)
     out = list(idx)
     out.insert(dim, i)
     return [(src, tuple(out), None)], None
@@ -885,11 +893,7 @@ def _slice_scatter(node, idx, ranges):
         raise ValueError(f"slice_scatter with step {step}")
     dim = a["dim"] % len(idx)
     size = _shape(a["input"])[dim]
-    start = sympy.Integer(0) if a["start"] is None else _size_arg(a["start"])
-    if start.is_Integer and size.is_Integer:
-        start = min(max(start + size if start < 0 else start, 0), size)
-    elif not _nonneg(start, ranges):
-        raise ValueError(f"slice_scatter start {start} may be negative")
+    start = _start(sympy.Integer(0) if a["start"] is None else _size_arg(a["start"]), size, ranges, "slice_scatter start")
     out = list(idx)
     length = _shape(a["src"])[dim]
     if step == 1:

@@ -495,3 +495,48 @@ def test_a_bound_on_sizes_alone_that_no_range_decides(device):
         got = torch.autograd.grad(out.sum(), x)
         assert_close_to_eager(got, torch.autograd.grad(fn(x).sum(), x))
         assert not fused.report.all_fallbacks, fused.report
+
+
+_FROM_THE_END = {
+    "last two columns": lambda x: x[:, -2:].exp() * x[:, :2],
+    "the last half": lambda x: x[:, -(x.shape[1] // 2):].sin() + 1,
+    "a column from the end": lambda x: x[:, -3].tanh()[:, None] * x,
+    "a strided tail": lambda x: x[:, -5::2].square(),
+}
+
+
+@pytest.mark.parametrize("case", list(_FROM_THE_END))
+def test_slices_from_the_end_at_symbolic_sizes(case, device):
+    """A slice or select from the end (`x[:, -2:]`, Longformer's and XLM's masks) over a symbolic length: the start
+    is size + start there (it had been refused as "may be negative": the region, and the backward's slice_scatter
+    with it, left to eager).  Forward and gradient against eager at four lengths."""
+    fn = _FROM_THE_END[case]
+    fused = fuser.fuse(fn)
+    for n in (8, 11, 14, 6):
+        x = torch.randn(4, n, device=device, requires_grad=True)
+        out = fused(x)
+        assert_close_to_eager(out, fn(x))
+        assert_close_to_eager(torch.autograd.grad(out.square().sum(), x), torch.autograd.grad(fn(x).square().sum(), x))
+        reports = [fused.report] + fused.reports
+        assert not any("negative" in u.reason for r in reports for u in r.unfused), [u for r in reports for u in r.unfused]
+        assert fused.report.regions and not fused.report.all_fallbacks, fused.report
+
+
+def test_xlnets_relative_shift_at_symbolic_lengths(device):
+    """XLNet's rel_shift (a reshape that drops a row, then another reshape): its index has a coefficient
+    s*t - s, below zero term by term over the sizes' intervals, s*(t - 1) >= 0 factored.  Bounded factored, the
+    scores and the softmax are one kernel at symbolic lengths (they had been refused one)."""
+    def rel_shift(x, klen):
+        b, n, i, j = x.shape
+        x = x.reshape(b, n, j, i)[:, :, 1:, :].reshape(b, n, i, j - 1)
+        return torch.index_select(x, 3, torch.arange(klen, device=x.device))
+
+    def fn(ac, bd):
+        return torch.softmax((ac + rel_shift(bd, ac.shape[2])) * 0.25, dim=-1)
+
+    fused = fuser.fuse(fn)
+    with torch.no_grad():
+        for q in (8, 12, 9):
+            ac, bd = torch.randn(2, 4, q, q, device=device), torch.randn(2, 4, q, 2 * q, device=device)
+            assert_close_to_eager(fused(ac, bd), fn(ac, bd))
+            assert fused.report.regions and not fused.report.unfused, fused.report
