@@ -340,13 +340,15 @@ class KernelWriter:
             if bounds is not None and not isinstance(bounds[0], tuple):
                 bounds = (bounds,)
             conds = [] if bounds is None else [self._in_bounds(idx[b[2]], *b) for b in bounds]
-            if None in conds and result is not None:  # a bound that fails at every size: never taken
+            if None in conds:  # a bound that fails at every size: never taken (no load outside its tensor)
                 continue
             here = " & ".join(c for c in conds if c) or None  # "": a bound that holds at every size
             sub_cond = cond if here is None else (f"({cond}) & {here}" if cond else here)
             v = self.value(src, self._alias_bounded(src_idx, bounds), sub_cond)
             v = convert(v, self.dtypes[v], cdt)
             result = v if here is None or result is None else f"tl.where({here}, {v}, {result})"
+        if result is None:
+            raise CodegenError(f"{n.name}: no branch of the {n.target} is taken at any size", n)
         if other is not None and not cdt.is_floating_point and cdt != torch.bool:  # an int literal is int32
             result = f"({result}).to({TL_DTYPE[cdt]})"
         return self.new(result, cdt)

@@ -8,6 +8,7 @@ inputs as it goes, so a failure of ours there is recorded and raised, and later 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import threading
 import traceback
@@ -32,6 +33,7 @@ from .report import FusionReport
 log = logging.getLogger("fuser")
 _reports: list[FusionReport] = []
 _lock = threading.Lock()
+_indices = itertools.count()  # next() of a count is atomic in CPython
 # Dynamo's tracing context of a frame -> the latest forward graph compiled in it: AOT Autograd compiles a
 # backward (lazily, at its first call, where sizes are symbolic) in its forward's context
 _forward_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -50,10 +52,15 @@ MODES = {"default": {}, "reduce-overhead": {"cuda_graphs": True}, "max-autotune"
          "max-autotune-no-cudagraphs": {}}
 
 
-def record(report: FusionReport) -> int:
+def record(report: FusionReport) -> None:
     with _lock:
         _reports.append(report)
-        return len(_reports) - 1
+
+
+def _new_index() -> int:
+    """A graph's index, taken when its compile starts (a lazy backward may compile in one thread while a forward
+    compiles in another: indices taken as the count of reports recorded could repeat; they key reports' routing)."""
+    return next(_indices)
 
 
 def all_reports() -> list[FusionReport]:
@@ -196,7 +203,7 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
 
     def compiler(backward: bool, inference: bool = False):
         def compile_(gm, example_inputs):
-            index = len(_reports)
+            index = _new_index()
             static = static_inputs(gm, n_dynamo_inputs[0], len(example_inputs), backward)  # params, buffers
             given = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # compile_graph rewrites gm in place
             try:
@@ -257,7 +264,7 @@ def make_backend(sink=None, options: dict | None = None, ran=None):
                     raise
                 except Exception as again:  # noqa: BLE001 - the graph as given, below
                     e = again
-            report = FusionReport(graph=len(_reports))
+            report = FusionReport(graph=_new_index())
             _fall_back(report, "while capturing (AOT Autograd)", e)
             record(report)
             if sink is not None:

@@ -13,6 +13,8 @@ from torch._inductor import inductor_prims  # its fma prim, which Dynamo writes 
 from torch._prims_common import get_computation_dtype, suggest_memory_format
 
 from . import ops
+from .plan import NUM_SMS
+from .region import PERSISTENT_MAX_R
 
 aten = torch.ops.aten
 
@@ -51,6 +53,8 @@ def _table() -> dict:
     table[aten.max.default], table[aten.min.default] = aten.amax.default, aten.amin.default
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten._adaptive_avg_pool2d.default] = functools.partial(adaptive_avg_pool2d, table[aten._adaptive_avg_pool2d.default])
+    for op in (aten._softmax.default, aten._log_softmax.default):
+        table[op] = functools.partial(softmax_over_many_rows, table[op])
     table[aten.mm.default] = table[aten.bmm.default] = outer_product
     for op in [*ops.KEEP_WHOLE, aten.baddbmm]:  # baddbmm: one cuBLAS call (BLOOM's scores: see patterns)
         for overload in op.overloads():
@@ -85,15 +89,15 @@ def max_dim(x, dim: int, keepdim: bool = False):
     """`values, indices = x.max(dim)` (greedy decoding's logits.max(-1)) as amax and argmax, reductions our
     kernels hold: the op, of two results, had run eagerly with its producer.  Both give the first NaN and the
     first of tied maxima, as max.dim does; its gradient stays max's own (autograd runs above this table).
-    Bools stay the op (argmax refuses them)."""
-    if x.dtype == torch.bool:
+    Bools stay the op (argmax refuses them), and 0-d tensors (a reduction over no dim)."""
+    if x.dtype == torch.bool or x.dim() == 0:
         return NotImplemented
     return aten.amax.default(x, [dim], keepdim), aten.argmax.default(x, dim, keepdim)
 
 
 def min_dim(x, dim: int, keepdim: bool = False):
     """As max_dim."""
-    if x.dtype == torch.bool:
+    if x.dtype == torch.bool or x.dim() == 0:
         return NotImplemented
     return aten.amin.default(x, [dim], keepdim), aten.argmin.default(x, dim, keepdim)
 
@@ -143,6 +147,21 @@ def native_group_norm_backward(dy, x, mean, rstd, weight, n: int, c: int, hw: in
     if mask[2]:
         db = torch.sum(dy, dim=[0, 3]).reshape(c).to(out_dtype)
     return dx, dw, db
+
+
+def softmax_over_many_rows(torchs, x, dim: int, half_to_float: bool):
+    """torch's decomposition of (log_)softmax (`torchs`: max, exp, sum, a pointwise op), except on CUDA over fewer
+    rows than the GPU has processors, each longer than one program holds in registers (a decode step's softmax
+    over a vocabulary): there our kernel runs a program a row, looping, and eager's softmax kernel is faster
+    (H200, bench/few_rows.py run 218: [1, 128256] bf16 0.037 ms eager, 0.080 ours whole; [8, 50257] 0.020 and
+    0.042), while the cost model, charging the few programs, split the decomposition into pieces, some eager
+    (0.12 ms: slower than eager).  There the op stays whole, but over 4-D scores: attention's softmax, which
+    the attention patterns find decomposed (a decode step over a long cache: our flash kernel or SDPA)."""
+    length, rows = x.shape[dim] if x.dim() else 1, x.numel() // max(x.shape[dim] if x.dim() else 1, 1)
+    if x.is_cuda and x.dim() < 4 and isinstance(length, int) and isinstance(rows, int) and length > PERSISTENT_MAX_R \
+            and rows < NUM_SMS:
+        return NotImplemented
+    return torchs(x, dim, half_to_float)
 
 
 def adaptive_avg_pool2d(torchs, x, output_size):

@@ -960,7 +960,11 @@ def reduction_dims(node) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- opaque
 
+_FEW_LONG_ROWS = ("kept whole over fewer rows than the GPU's processors, each longer than a program holds: eager's "
+                  "kernel is faster there than ours, a program a row (decompositions.softmax_over_many_rows)")
 OPAQUE = {
+    aten._softmax: _FEW_LONG_ROWS,
+    aten._log_softmax: _FEW_LONG_ROWS,
     aten.mm: "matmul: compute-bound, left to cuBLAS",
     aten.bmm: "matmul: compute-bound, left to cuBLAS",
     aten.addmm: "matmul: compute-bound, left to cuBLAS",
@@ -1035,14 +1039,15 @@ def _one_hot_scatter(node) -> Pointwise | Opaque:
     x, dim, index = node.args[:3]
     xs, ids = _shape(x), _shape(index)
     dim = dim % max(len(xs), 1)
-    if len(xs) != len(ids) or ids[dim] != 1 or any(a != b for d, (a, b) in enumerate(zip(xs, ids)) if d != dim):
+    if len(xs) != len(ids) or ids[dim] != 1 or any(a != b for d, (a, b) in enumerate(zip(xs, ids)) if d != dim) \
+            or (xs[dim] if xs else 1) == 0:  # (into a dim of size 0: eager raises, and a kernel computes nothing)
         return Opaque("scatter at several positions per row, or by an index of another shape than the input's: "
                       "left to eager")
     if node.target is aten.scatter.src and _shape(node.args[3]) != ids:
         return Opaque("scatter of a source larger than its index: left to eager")
     if _out_of_range(node, node.args[3:4]):
         return Opaque("a scattered value outside the tensor's dtype: eager raises (it cannot be converted without overflow)")
-    return _ONE_HOT
+    return ONE_HOT
 
 
 def _one_hot(a: Args) -> str:
@@ -1058,7 +1063,7 @@ def _one_hot_index_in_range(a: Args) -> list:
                   f"scatter: index out of bounds for dimension {dim} with size {size}")]
 
 
-_ONE_HOT = Pointwise(_one_hot, raw_args=(2,), checks=_one_hot_index_in_range)
+ONE_HOT = Pointwise(_one_hot, raw_args=(2,), checks=_one_hot_index_in_range)
 
 
 def _bool_operand(node) -> bool:

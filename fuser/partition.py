@@ -19,7 +19,7 @@ import torch.fx as fx
 from . import indexing as ix
 from . import ops
 from .cost import Cost, eager_cost, eager_slow_path, eager_time, region_cost, tensor_bytes
-from .graph import OWN_KERNEL, ComputeGraph, cpu_scalar, is_size, meta
+from .graph import OWN_KERNEL, ComputeGraph, cpu_scalar, is_size, meta, numel
 from .region import PERSISTENT_MAX_R, Region, analyze, reduction_space
 from .runtime import updated_in_place
 
@@ -104,10 +104,20 @@ class Partitioner:
         space = analyze(self.cg, list(nodes), self.widest)
         if space is None:
             return None
+        if self.checks_in_part(nodes, space):
+            return None
         region = Region(self.cg, list(nodes), space, rid)
         if region.size_symbols and any(isinstance(self.cg.info[n], ops.Scatter) for n in region.nodes):
             return None  # the wrapper hands a scatter its input as the output buffer where sizes are static only
         return region
+
+    def checks_in_part(self, nodes, space) -> bool:
+        """Whether a gather or a one-hot scatter, whose index the kernel checks where it loads it, would be computed
+        at fewer elements than it has (read through a slice or a select: `embedding(ids, w)[0]`): an index out of
+        range where nothing is computed would not raise, as eager raises.  Such a group is not formed."""
+        total = self.cg.sizes.hint(ix.numel(space.full))
+        return any((isinstance(k := self.cg.info.get(n), ops.Layout) and k.indirect or k is ops.ONE_HOT)
+                   and self.cg.sizes.hint(numel(n)) > total for n in nodes)
 
     def cost(self, region: Region) -> Cost:
         """The region's cost; that of a region partition() returns is kept for the pipeline to hand on."""

@@ -540,3 +540,18 @@ def test_xlnets_relative_shift_at_symbolic_lengths(device):
             ac, bd = torch.randn(2, 4, q, q, device=device), torch.randn(2, 4, q, 2 * q, device=device)
             assert_close_to_eager(fused(ac, bd), fn(ac, bd))
             assert fused.report.regions and not fused.report.unfused, fused.report
+
+
+def test_a_cat_piece_no_index_reaches_is_not_loaded(device):
+    """`cat([a, b], -1)[..., 0]` at a symbolic width reads a's piece only: b's branch, never taken at any size, is
+    dropped whole (its load had been left in the kernel at an offset outside b, masked by the lanes alone)."""
+    def fn(a, b):
+        c = torch.cat([a * 2, b + 1], -1)
+        return c[..., 0] * 3 + c[..., 1]
+
+    fused = fuser.fuse(fn)
+    for n in (3, 5, 7):
+        a, b = torch.randn(4, n, device=device), torch.randn(4, 2, device=device)
+        assert_close_to_eager(fused(a, b), fn(a, b))
+    (r,) = fused.report.regions
+    assert "tl.load(in1_ptr" not in r.source, r.source

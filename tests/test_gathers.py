@@ -269,3 +269,28 @@ def test_cross_entropys_backward_is_fused_whole(smoothing, device):
     assert_close_to_eager(got, want)
     backward = [r for r in fuser.reports()[start:] if r.forward is not None]
     assert backward and backward[0].regions and not backward[0].unfused, backward
+
+
+_PART_READ = {  # (fn, inputs with one bad index in a row the program does not read)
+    "an embedding's first row": (lambda ids, w: F.embedding(ids, w)[0] * 2,
+                                 lambda: (torch.tensor([[1, 2], [3, 4], [5, 99]]), torch.randn(10, 4))),
+    "a gather's first row": (lambda x, i: torch.gather(x, 1, i)[0] * 2,
+                             lambda: (torch.randn(3, 5), torch.tensor([[0, 1], [2, 3], [50, 0]]))),
+    "a one-hot scatter's first row": (lambda x, i: (x + 1).scatter(1, i, 5.0)[0] * 2,
+                                      lambda: (torch.randn(3, 7), torch.tensor([[0], [1], [99]]))),
+}
+
+
+@pytest.mark.parametrize("case", list(_PART_READ))
+def test_an_index_out_of_range_where_nothing_reads_it_still_raises(case, device):
+    """A gather or one-hot scatter read only in part (`embedding(ids, w)[0]`): its kernel checks each index where it
+    loads it, so it is not fused with a reader that computes it at fewer elements than it has; an index out of range
+    in a row nothing reads raises, as eager raises (it had passed silently)."""
+    if device != "cpu":
+        pytest.skip("on CUDA an out-of-range index is a device-side assert, fatal to the process")
+    fn, make = _PART_READ[case]
+    args = make()
+    with pytest.raises((RuntimeError, IndexError)):
+        fn(*args)
+    with pytest.raises((RuntimeError, IndexError), match="out of"):
+        fuser.fuse(fn)(*args)

@@ -1057,3 +1057,13 @@ def test_max_and_min_over_a_dim_and_whole(dtype, device):
         y = x.detach().nan_to_num().requires_grad_()
         grads = torch.autograd.grad([o.sum() for o in fused(y) if o.is_floating_point()], y)
         assert_close_to_eager(grads, torch.autograd.grad([o.sum() for o in fn(y) if o.is_floating_point()], y))
+
+
+def test_max_over_dim_0_of_a_0d_tensor(device):
+    """max/min over dim 0 of a 0-d tensor stays the op (an amax over no dim has no reduction space: the graph had
+    fallen back to eager)."""
+    fn = lambda x: (x.max(0)[0] * 2, x.min(0, keepdim=True)[1])  # noqa: E731
+    fused = fuser.fuse(fn)
+    x = torch.tensor(1.5, device=device)
+    assert_close_to_eager(fused(x), fn(x))
+    assert not fused.report.all_fallbacks, fused.report
