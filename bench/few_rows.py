@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fuser  # noqa: E402
 import fuser.cost as cost  # noqa: E402
+from bench.column_sums import copy_bandwidth, ms  # noqa: E402  (do_bench's median; a bf16 copy's GB/s)
 
 SHAPES = [(1, 128256), (4, 32000), (8, 50257), (32, 32000), (64, 128256), (512, 4096)]
 CASES = {  # name: (fn, dtype)
@@ -30,16 +30,6 @@ CASES = {  # name: (fn, dtype)
     "rms_norm(x) * w, bf16": (lambda x, w: (x.float() * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w,
                               torch.bfloat16),
 }
-
-
-def ms(fn):
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / ms(lambda: y.copy_(x)) / 1e6
 
 
 def fused_run(fn, x, w, want):

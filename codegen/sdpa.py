@@ -463,42 +463,37 @@ def _clamps(dtype: torch.dtype) -> bool:
 
 
 def mask_sources(mask: fx.Node) -> list:
-    """The graph inputs a mask is computed from, or [] where it also draws random numbers."""
-    seen, todo, found = set(), [mask], []
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            if meta(n) is None:
-                return []  # a size: the mask's shape varies
-            found.append(n)
-        elif n.op == "call_function":
-            if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
-                return []
-            todo += n.all_input_nodes
-    return sorted(found, key=lambda n: n.name)
+    """The graph inputs a mask is computed from, all tensors, or [] where it also reads a size (the mask's
+    shape varies) or draws random numbers."""
+    tensors, sizes = _inputs_of(mask)
+    return [] if sizes else tensors
 
 
 def size_sources(mask: fx.Node) -> list:
     """The size inputs (symbolic ints) a mask is computed from, where it reads no tensor input and draws no
     random numbers (a causal mask from aranges at a symbolic length), else []."""
-    seen, todo, found = set(), [mask], []
+    tensors, sizes = _inputs_of(mask)
+    return [] if tensors else sizes
+
+
+def _inputs_of(mask: fx.Node) -> tuple[list, list]:
+    """(tensor inputs, size inputs) the mask is computed from, each sorted by name; ([], []) where it draws
+    random numbers or reads another kind of input."""
+    seen, todo, tensors, sizes = set(), [mask], [], []
     while todo:
         n = todo.pop()
         if n in seen:
             continue
         seen.add(n)
         if n.op == "placeholder":
-            if not isinstance(n.meta.get("val"), torch.SymInt):
-                return []
-            found.append(n)
+            if meta(n) is None and not isinstance(n.meta.get("val"), torch.SymInt):
+                return [], []  # a symbolic float, say: neither kind of source
+            (tensors if meta(n) is not None else sizes).append(n)
         elif n.op == "call_function":
             if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
-                return []
+                return [], []
             todo += n.all_input_nodes
-    return sorted(found, key=lambda n: n.name)
+    return sorted(tensors, key=lambda n: n.name), sorted(sizes, key=lambda n: n.name)
 
 
 RECHECKS = 3  # inputs that are new tensors every call: checked again this many times, then the mask is used as given
