@@ -69,7 +69,7 @@ def _promote(args) -> torch.dtype:
     for t in tensors[1:]:
         dt = torch.promote_types(dt, t)
     scalars = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-    scalars += [0 for a in args if is_size(a)]  # a symbolic int
+    scalars += [0.0 if isinstance(a.meta["val"], torch.SymFloat) else 0 for a in args if is_size(a)]  # a symbolic number
     if any(isinstance(s, float) for s in scalars) and not dt.is_floating_point:
         dt = torch.get_default_dtype()
     elif scalars and dt == torch.bool:
@@ -89,8 +89,9 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
     for pos, a in enumerate(n.args):
         if isinstance(a, torch.fx.Node) and is_generator(n):
             rendered.append(None)  # full_like reads its operand's shape, which the kernel already has
-        elif is_size(a):
-            rendered.append(literal(a))
+        elif is_size(a):  # a float of sizes (fp64 in the kernel) as the op computes: eager converts a Python float so
+            rendered.append(convert(literal(a), torch.float64, op_dt) if isinstance(a.meta["val"], torch.SymFloat)
+                            and op_dt.is_floating_point else literal(a))
         elif isinstance(a, torch.fx.Node) and meta(a) is not None:
             v = operand(a)
             keep = kind.cast or pos in kind.raw_args or (meta(a).dtype == torch.bool and pos in kind.bool_args)

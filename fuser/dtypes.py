@@ -52,8 +52,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def literal(v) -> str:
     """A Python scalar as Triton source; a symbolic int (a size node) as the size expression, whose
     symbols the kernel takes as arguments."""
-    if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.SymInt):
-        return f"({ix.texpr(ix.expr(v.meta['val']))})"
+    if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), (torch.SymInt, torch.SymFloat)):
+        return f"({ix.texpr(ix.expr(v.meta['val']))})"  # a float in fp64 (indexing's printer), as Python computes it
     if isinstance(v, bool):
         return "True" if v else "False"
     if isinstance(v, float):

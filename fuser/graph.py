@@ -247,9 +247,9 @@ class ComputeGraph:
         if isinstance(kind, (ops.Pointwise, ops.Layout, ops.Reduction)):
             for a in operands(n):
                 if is_size(a):
-                    if not isinstance(a.meta["val"], torch.SymInt):
-                        return ops.Opaque("an operand is a symbolic float or bool")
-                    continue  # a symbolic int: the kernel takes its value as an argument
+                    if isinstance(a.meta["val"], torch.SymBool):
+                        return ops.Opaque("an operand is a symbolic bool")
+                    continue  # a symbolic int or float: a function of the sizes the kernel takes as arguments
                 if meta(a) is None:
                     return ops.Opaque("an operand is not a tensor")
                 if meta(a).dtype not in TL_DTYPE:

@@ -29,8 +29,8 @@ UNBACKED_HINT = 8192  # a data-dependent size has no hint; the cost model assume
 
 
 def expr(s) -> sympy.Expr:
-    """An int, a SymInt or a sympy expression as a sympy expression."""
-    if isinstance(s, torch.SymInt):
+    """An int, a SymInt (or SymFloat) or a sympy expression as a sympy expression."""
+    if isinstance(s, (torch.SymInt, torch.SymFloat)):
         return s.node.expr
     if isinstance(s, (int, bool)):
         return sympy.Integer(int(s))
@@ -468,10 +468,17 @@ class TritonPrinter(StrPrinter):
         return f"tl.cast({x}, tl.int64)"  # C's conversion truncates toward zero, as Python's int()
 
     def _print_ToFloat(self, e):
-        return f"tl.cast({self._print(e.args[0])}, tl.float64)"
+        return self._float(e.args[0])
 
     def _print_FloatTrueDiv(self, e):
         return f"({self._operand(e.args[0])} / {self._operand(e.args[1])})"
+
+    def _print_IntTrueDiv(self, e):  # n / (n - 1) of sizes, a float (BatchNorm's unbiased variance factor)
+        return f"({self._float(e.args[0])} / {self._float(e.args[1])})"
+
+    def _float(self, a) -> str:
+        """An int expression of sizes as a float (fp64, as Python's)."""
+        return f"tl.cast({self._print(a)}, tl.float64)"
 
     def _print_Float(self, e):
         return repr(float(e))
@@ -544,8 +551,8 @@ class PythonPrinter(TritonPrinter):
     def _to_int(self, x: str) -> str:
         return f"int({x})"
 
-    def _print_ToFloat(self, e):
-        return f"float({self._print(e.args[0])})"
+    def _float(self, a) -> str:
+        return f"float({self._print(a)})"
 
     def _print_Max(self, e):
         return f"max({', '.join(self._print(a) for a in e.args)})"

@@ -555,3 +555,30 @@ def test_a_cat_piece_no_index_reaches_is_not_loaded(device):
         assert_close_to_eager(fused(a, b), fn(a, b))
     (r,) = fused.report.regions
     assert "tl.load(in1_ptr" not in r.source, r.source
+
+
+def test_floats_computed_from_sizes_are_kernel_operands(device):
+    """A float of sizes (BatchNorm's unbiased factor n / (n - 1) at a symbolic batch, a mean as sum / n) is an
+    operand our kernels compute from the sizes they take (fp64, converted as eager converts a Python float): it
+    had been left eager with every op around it ("an operand is a symbolic float").  BatchNorm1d training:
+    outputs, gradients and running statistics against eager at four batches."""
+    def fn(x):
+        n = x.shape[0]
+        return (x.sum(0) * (n / (n - 1)) + 1).relu(), x * (1.0 / n) + 2
+
+    fused = fuser.fuse(fn, dynamic=True)
+    for n in (5, 9, 7):
+        x = torch.randn(n, 7, device=device)
+        assert_close_to_eager(fused(x), fn(x))
+        assert not any("symbolic float" in u.reason for u in fused.report.unfused), fused.report
+    torch.manual_seed(3)
+    bn = torch.nn.BatchNorm1d(6).to(device)
+    twin = copy.deepcopy(bn)
+    fused_bn = fuser.fuse(bn)
+    for n in (5, 9, 7, 12):
+        x = torch.randn(n, 6, device=device, requires_grad=True)
+        out, ref = fused_bn(x), twin(x)  # (each call updates its module's running statistics once)
+        assert_close_to_eager(out, ref)
+        assert_close_to_eager(torch.autograd.grad(out.square().sum(), x), torch.autograd.grad(ref.square().sum(), x))
+        assert not any("symbolic float" in u.reason for r in fused_bn.reports for u in r.unfused), fused_bn.reports
+    assert_close_to_eager((bn.running_mean, bn.running_var), (twin.running_mean, twin.running_var))
