@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._sympy.functions import FloatTrueDiv, IntTrueDiv, ToFloat
 
 from . import indexing as ix
 from . import ops
@@ -73,6 +74,25 @@ def is_size(n) -> bool:
     """A node computing a size (a SymInt from sym_size, or arithmetic on sizes): not data; a
     kernel that needs the value takes it as an argument."""
     return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+# ops whose float operand the kernel reads as a rendered operand (the arithmetic), not as a Python number
+_FLOAT_OPERAND_OPS = (aten.mul, aten.div, aten.add, aten.sub, aten.rsub)
+
+
+def _float_of_sizes_refused(n: fx.Node, a: fx.Node, sizes) -> str | None:
+    """Why op n cannot take the float of sizes `a` as an operand, or None.  Only the arithmetic takes it (other
+    ops read their scalars as Python numbers while lowering), and only where every division in it is by a size
+    that is nonzero at every size (eager's Python division raises ZeroDivisionError where it is 0)."""
+    if packet(n) not in _FLOAT_OPERAND_OPS:
+        return "an operand is a symbolic float, which this op reads as a number"
+    e = a.meta["val"].node.expr
+    for d in e.atoms(IntTrueDiv, FloatTrueDiv):
+        den = d.args[1]
+        den = den.args[0] if isinstance(den, ToFloat) else den
+        if not sizes.lt(0, den):
+            return "an operand is a symbolic float dividing by a size that may be 0 (eager raises there)"
+    return None
 
 
 def fold_fixed_sizes(graph: fx.Graph) -> int:
@@ -249,6 +269,8 @@ class ComputeGraph:
                 if is_size(a):
                     if isinstance(a.meta["val"], torch.SymBool):
                         return ops.Opaque("an operand is a symbolic bool")
+                    if isinstance(a.meta["val"], torch.SymFloat) and (reason := _float_of_sizes_refused(n, a, self.sizes)):
+                        return ops.Opaque(reason)
                     continue  # a symbolic int or float: a function of the sizes the kernel takes as arguments
                 if meta(a) is None:
                     return ops.Opaque("an operand is not a tensor")

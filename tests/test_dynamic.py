@@ -571,6 +571,20 @@ def test_floats_computed_from_sizes_are_kernel_operands(device):
         x = torch.randn(n, 7, device=device)
         assert_close_to_eager(fused(x), fn(x))
         assert not any("symbolic float" in u.reason for u in fused.report.unfused), fused.report
+    # what stays as it was: a division by a size that may be 0 (eager raises), a float an op reads as a number
+    # (pow's exponent, elu's alpha), a float stored in 16 bits (rounded as eager rounds it)
+    others = {"divide by n - 3": lambda x: (x * (x.shape[0] / (x.shape[0] - 3))).sin(),
+              "pow": lambda x: x.abs() ** (1 / x.shape[0]),
+              "elu": lambda x: F.elu(x, alpha=x.shape[0] / 7),
+              "fill in fp16": lambda x: torch.full_like(x.half(), x.shape[0] / 3).float().sum()}
+    for name, f in others.items():
+        fused = fuser.fuse(f, dynamic=True)
+        for n in (5, 9, 4):
+            x = torch.randn(n, 7, device=device)
+            assert_close_to_eager(fused(x), f(x))
+            assert not fused.report.all_fallbacks, (name, fused.report)
+    with pytest.raises(ZeroDivisionError):
+        fuser.fuse(others["divide by n - 3"], dynamic=True)(torch.randn(3, 7, device=device))
     torch.manual_seed(3)
     bn = torch.nn.BatchNorm1d(6).to(device)
     twin = copy.deepcopy(bn)
