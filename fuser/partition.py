@@ -113,11 +113,19 @@ class Partitioner:
 
     def checks_in_part(self, nodes, space) -> bool:
         """Whether a gather or a one-hot scatter, whose index the kernel checks where it loads it, would be computed
-        at fewer elements than it has (read through a slice or a select: `embedding(ids, w)[0]`): an index out of
-        range where nothing is computed would not raise, as eager raises.  Such a group is not formed."""
-        total = self.cg.sizes.hint(ix.numel(space.full))
-        return any((isinstance(k := self.cg.info.get(n), ops.Layout) and k.indirect or k is ops.ONE_HOT)
-                   and self.cg.sizes.hint(numel(n)) > total for n in nodes)
+        at fewer elements than it has: the group's space is smaller, or a member reads it through a view with fewer
+        elements (a slice or a select: `embedding(ids, w)[0]`, then broadcast wider).
+        An index out of range where nothing is computed would not raise, as eager raises: such a group is not
+        formed."""
+        hint = self.cg.sizes.hint
+        total = hint(ix.numel(space.full))
+        for n in nodes:
+            if not (isinstance(k := self.cg.info.get(n), ops.Layout) and k.indirect or k is ops.ONE_HOT):
+                continue
+            if hint(numel(n)) > total or any(c in nodes and hint(self.cg.read_elems(c, n)) < hint(numel(n))
+                                             for c in self.cg.consumers(n)):
+                return True
+        return False
 
     def cost(self, region: Region) -> Cost:
         """The region's cost; that of a region partition() returns is kept for the pipeline to hand on."""

@@ -278,6 +278,9 @@ _PART_READ = {  # (fn, inputs with one bad index in a row the program does not r
                              lambda: (torch.randn(3, 5), torch.tensor([[0, 1], [2, 3], [50, 0]]))),
     "a one-hot scatter's first row": (lambda x, i: (x + 1).scatter(1, i, 5.0)[0] * 2,
                                       lambda: (torch.randn(3, 7), torch.tensor([[0], [1], [99]]))),
+    "an embedding's first rows, broadcast wider": (
+        lambda ids, w, z: (F.embedding(ids, w * 2)[:, :2, :, None] * z).sin(),
+        lambda: (torch.tensor([[1, 2, 3, 4, 5], [3, 4, 5, 6, 99]]), torch.randn(10, 4), torch.randn(64))),
 }
 
 
