@@ -83,7 +83,8 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
     `operand(a)` names the variable holding tensor operand a (dtypes maps variables to theirs); the
     operands are converted to the op's compute dtype, and a cast rounds to its target dtype."""
     out_dt = meta(n).dtype
-    op_dt = compute_dtype(_promote(n.args) if kind.promote_inputs else out_dt)
+    promoted = _promote(n.args) if kind.promote_inputs else None
+    op_dt = compute_dtype(promoted if kind.promote_inputs else out_dt)
     wrap_dt = _promote(n.args) if kind.wraps and ops.wraps_scalars(n) else None
     rendered = []
     for pos, a in enumerate(n.args):
@@ -96,6 +97,10 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
             v = operand(a)
             keep = kind.cast or pos in kind.raw_args or (meta(a).dtype == torch.bool and pos in kind.bool_args)
             rendered.append(v if keep else convert(v, dtypes[v], op_dt))
+        elif isinstance(a, float) and kind.promote_inputs and promoted in (torch.float16, torch.bfloat16):
+            # a comparison converts the number to the tensor's 16-bit dtype first (eager's common dtype, CPU and
+            # CUDA): `x_half == 4 / 3` holds where x holds half(4 / 3)
+            rendered.append(literal(float(torch.tensor(a, dtype=promoted))))
         elif isinstance(a, (bool, int, float)):
             rendered.append(literal(wrapped(a, wrap_dt) if wrap_dt is not None else a))
         else:

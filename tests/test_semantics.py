@@ -461,3 +461,17 @@ def test_interpreter_is_quiet(device):
         warnings.simplefilter("error")
         got = fuser.fuse(fn)(a)
     assert_close_to_eager(got, fn(a))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_comparison_with_a_python_float_in_16_bits(dtype, device):
+    """A comparison converts a Python float to the tensor's 16-bit dtype before comparing (eager's common dtype,
+    CPU and CUDA): `x_half == 4 / 3` holds where x holds half(4 / 3).  Compared in fp32 with the unrounded number,
+    it had been False there: a silent wrong answer."""
+    value = 4 / 3
+    x = torch.randn(3, 423, 21, device=device).to(dtype)
+    x[:, ::3] = torch.tensor(value, dtype=dtype)  # a third of the values equal the number, rounded
+    fn = lambda x: ((x == value).float() * 2 + (x > value).float() - (x <= value).float(), torch.where(x >= value, x, 0.5))  # noqa: E731, E501
+    fused = fuser.fuse(fn)
+    assert_close_to_eager(fused(x), fn(x))
+    assert fused.report.regions and not fused.report.unfused, fused.report
