@@ -44,6 +44,8 @@ def _in_dtype(v, dtype: torch.dtype):
     -100 (a float literal made the kernel's result fp32: integers past 2**24 rounded, an index of fp32)."""
     if isinstance(v, (int, float)) and not isinstance(v, bool) and not dtype.is_floating_point:
         return bool(v) if dtype == torch.bool else int(v)
+    if isinstance(v, float) and dtype in (torch.float16, torch.bfloat16):  # a 16-bit pad holds the number rounded
+        return float(torch.tensor(v, dtype=dtype))
     return v
 
 
@@ -341,7 +343,7 @@ class KernelWriter:
         cdt = compute_dtype(meta(n).dtype)
         if len(branches) == 1 and branches[0][2] is None and other is None:  # a pure index map
             return self._as_computed(n, self.value(branches[0][0], branches[0][1], cond))
-        result = None if other is None else literal(_in_dtype(other, cdt))  # cat: the last branch is the fallback
+        result = None if other is None else literal(_in_dtype(other, meta(n).dtype))  # cat: the last branch is the fallback
         for src, src_idx, bounds in reversed(branches):
             if bounds is not None and not isinstance(bounds[0], tuple):
                 bounds = (bounds,)

@@ -475,3 +475,13 @@ def test_comparison_with_a_python_float_in_16_bits(dtype, device):
     fused = fuser.fuse(fn)
     assert_close_to_eager(fused(x), fn(x))
     assert fused.report.regions and not fused.report.unfused, fused.report
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_pad_holds_its_value_rounded(dtype, device):
+    """F.pad of a 16-bit tensor with a value its dtype cannot hold writes the value rounded to that dtype; read in
+    fp32 by the next op of the kernel it had been the unrounded number."""
+    x = torch.randn(3, 423, 21, device=device).to(dtype)
+    fn = lambda x: F.pad(x, (1, 2), value=1 / 3).float().sum(-1)  # noqa: E731
+    fused = fuser.fuse(fn)
+    torch.testing.assert_close(fused(x), fn(x), atol=0, rtol=1e-6)
