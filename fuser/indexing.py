@@ -123,7 +123,22 @@ class Sizes:
             factored = sympy.factor(e)
             if factored != e:
                 lower = max(lower, self.bounds(factored).lower)
+        if lower < 0 and e.is_Add and e.has(FloorDiv):
+            lower = max(lower, self._lower_without_floors(e))
         return lower
+
+    def _lower_without_floors(self, e):
+        """A lower bound of the sum e with each FloorDiv(a, b) of a positive integer b replaced by what bounds it
+        from the side its coefficient needs: a / b above, (a - b + 1) / b below (s - s // 2 >= s / 2 >= 1:
+        `narrow(x, 1, -(T // 2), 2)` at a symbolic length had been refused its kernel as "may be negative")."""
+        terms = []
+        for t in e.args:
+            c, rest = t.as_coeff_Mul()
+            if isinstance(rest, FloorDiv) and rest.args[1].is_Integer and rest.args[1] > 0 and self.nonneg(rest.args[0]):
+                a, b = rest.args
+                rest = a / b if c < 0 else (a - b + 1) / b
+            terms.append(c * rest)
+        return self.bounds(sympy.Add(*terms)).lower
 
     def divides(self, d, e) -> bool:
         """e is a multiple of d for every size (d, e integer expressions)."""

@@ -502,6 +502,7 @@ _FROM_THE_END = {
     "the last half": lambda x: x[:, -(x.shape[1] // 2):].sin() + 1,
     "a column from the end": lambda x: x[:, -3].tanh()[:, None] * x,
     "a strided tail": lambda x: x[:, -5::2].square(),
+    "a narrow from half way back": lambda x: torch.narrow(x, 1, -(x.shape[1] // 2), 2).exp() * 2,  # start s - s // 2
 }
 
 
