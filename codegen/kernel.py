@@ -22,7 +22,7 @@ from fuser.region import PERSISTENT_MAX_R, Region
 
 aten = torch.ops.aten
 
-from fuser.dtypes import TL_DTYPE, compute_dtype, convert, interpreting, literal, math_import, target, wrapped
+from fuser.dtypes import TL_DTYPE, compute_dtype, convert, held_in, interpreting, literal, math_import, target, wrapped
 
 
 X = sympy.Symbol("x", integer=True, nonnegative=True)
@@ -44,9 +44,7 @@ def _in_dtype(v, dtype: torch.dtype):
     -100 (a float literal made the kernel's result fp32: integers past 2**24 rounded, an index of fp32)."""
     if isinstance(v, (int, float)) and not isinstance(v, bool) and not dtype.is_floating_point:
         return bool(v) if dtype == torch.bool else int(v)
-    if isinstance(v, float) and dtype in (torch.float16, torch.bfloat16):  # a 16-bit pad holds the number rounded
-        return float(torch.tensor(v, dtype=dtype))
-    return v
+    return held_in(v, dtype) if isinstance(v, float) else v  # a 16-bit pad holds the number rounded
 
 
 @dataclass
@@ -99,10 +97,10 @@ def lower_pointwise(n, kind: ops.Pointwise, operand, dtypes: dict, index: tuple 
             v = operand(a)
             keep = kind.cast or pos in kind.raw_args or (meta(a).dtype == torch.bool and pos in kind.bool_args)
             rendered.append(v if keep else convert(v, dtypes[v], op_dt))
-        elif isinstance(a, float) and kind.promote_inputs and promoted in (torch.float16, torch.bfloat16):
-            # a comparison converts the number to the tensor's 16-bit dtype first (eager's common dtype, CPU and
-            # CUDA): `x_half == 4 / 3` holds where x holds half(4 / 3)
-            rendered.append(literal(float(torch.tensor(a, dtype=promoted))))
+        elif isinstance(a, float) and kind.promote_inputs:
+            # a comparison converts the number to the common dtype first (CPU and CUDA): `x_half == 4 / 3` holds
+            # where x holds half(4 / 3)
+            rendered.append(literal(held_in(a, promoted)))
         elif isinstance(a, (bool, int, float)):
             rendered.append(literal(wrapped(a, wrap_dt) if wrap_dt is not None else a))
         else:

@@ -212,7 +212,10 @@ class FusedModule(torch.nn.Module):
             self._latest.append(report)
             if report.graph not in self._known:
                 gm = _graph_modules.get(report.graph)
-                self._captured(report, gm) if gm is not None else self._known.add(report.graph)
+                if gm is not None:
+                    self._captured(report, gm)
+                else:
+                    self._known.add(report.graph)
 
     def _ran_eagerly(self, reason: str):
         """No fused graph ran in this call: say so, in the report and (once per reason) in the log."""
@@ -358,7 +361,7 @@ def _module_of(report: FusionReport) -> FusedModule | None:
 def _route_ran(report: FusionReport):
     module = _module_of(report)
     if module is not None:
-        if report.forward is None:
+        if report.forward is None and _owners.get(report.graph) is not module:  # (a read: a write costs 5x, per call)
             _owners[report.graph] = module
         module._ran(report)
 

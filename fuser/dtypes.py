@@ -78,6 +78,12 @@ def wrapped(v, dtype: torch.dtype):
     return (v - info.min) % (info.max - info.min + 1) + info.min
 
 
+def held_in(v: float, dtype: torch.dtype) -> float:
+    """A Python float as a 16-bit float `dtype` holds it (rounded: eager converts it so for a comparison's common
+    dtype and a pad's fill); any other dtype, as it is."""
+    return float(torch.tensor(v, dtype=dtype)) if dtype in (torch.float16, torch.bfloat16) else v
+
+
 def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
     if src == dst:
         return expr

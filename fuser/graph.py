@@ -76,15 +76,11 @@ def is_size(n) -> bool:
     return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-# ops whose float operand the kernel reads as a rendered operand (the arithmetic), not as a Python number
-_FLOAT_OPERAND_OPS = (aten.mul, aten.div, aten.add, aten.sub, aten.rsub)
-
-
 def _float_of_sizes_refused(n: fx.Node, a: fx.Node, sizes) -> str | None:
     """Why op n cannot take the float of sizes `a` as an operand, or None.  Only the arithmetic takes it (other
     ops read their scalars as Python numbers while lowering), and only where every division in it is by a size
     that is nonzero at every size (eager's Python division raises ZeroDivisionError where it is 0)."""
-    if packet(n) not in _FLOAT_OPERAND_OPS:
+    if packet(n) not in ops.FLOAT_OPERAND_OPS:
         return "an operand is a symbolic float, which this op reads as a number"
     e = a.meta["val"].node.expr
     for d in e.atoms(IntTrueDiv, FloatTrueDiv):

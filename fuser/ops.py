@@ -1036,11 +1036,10 @@ def _one_hot_scatter(node) -> Pointwise | Opaque:
     an index outside [0, size) raises, as eager (CPU: its RuntimeError; CUDA: a device assert)."""
     if node.target not in (aten.scatter.value, aten.scatter.src):
         return Opaque("scatter with a reduction: left to eager")
-    x, dim, index = node.args[:3]
-    xs, ids = _shape(x), _shape(index)
-    dim = dim % max(len(xs), 1)
+    xs, ids = _shape(node.args[0]), _shape(node.args[2])
+    dim, size = _one_hot_dim(node)
     if len(xs) != len(ids) or ids[dim] != 1 or any(a != b for d, (a, b) in enumerate(zip(xs, ids)) if d != dim) \
-            or (xs[dim] if xs else 1) == 0:  # (into a dim of size 0: eager raises, and a kernel computes nothing)
+            or size == 0:  # (into a dim of size 0: eager raises, and a kernel computes nothing)
         return Opaque("scatter at several positions per row, or by an index of another shape than the input's: "
                       "left to eager")
     if node.target is aten.scatter.src and _shape(node.args[3]) != ids:
@@ -1050,15 +1049,25 @@ def _one_hot_scatter(node) -> Pointwise | Opaque:
     return ONE_HOT
 
 
+# ops whose float operand a kernel reads as a rendered operand (the arithmetic), not as a Python number while lowering
+FLOAT_OPERAND_OPS = (aten.mul, aten.div, aten.add, aten.sub, aten.rsub)
+
+
+def _one_hot_dim(node) -> tuple[int, object]:
+    """The scattered dim (non-negative) and its size."""
+    xs = _shape(node.args[0])
+    dim = node.args[1] % max(len(xs), 1)
+    return dim, xs[dim] if xs else 1
+
+
 def _one_hot(a: Args) -> str:
-    dim = a.node.args[1] % max(len(a.index), 1)
+    dim, _ = _one_hot_dim(a.node)
     position = ix.texpr(a.index[dim]) if a.index else "0"
     return f"tl.where({a[2]} == {position}, {_held(a, 3)}, {a[0]})"
 
 
 def _one_hot_index_in_range(a: Args) -> list:
-    x, dim = a.node.args[0], a.node.args[1] % max(len(_shape(a.node.args[0])), 1)
-    size = _shape(x)[dim] if _shape(x) else 1
+    dim, size = _one_hot_dim(a.node)
     return [Check(f"({a[2]} >= 0) & ({a[2]} < {ix.texpr(size)})",
                   f"scatter: index out of bounds for dimension {dim} with size {size}")]
 
