@@ -10,7 +10,7 @@ in fp32, matmul).  Columns:
   once, outside the timing, as users do);
 - fuser: torch.compile(backend="fuser") of the hand-written code, with the lowering it chose (SDPA
   or our Triton kernel; in training, attention claimed before autograd or left to its ops);
-- fuser-triton: the same with attention="triton" (our own kernel; forward only: it has no backward).
+- fuser-triton: the same with attention="triton" (our own kernel, forward and backward).
 ms are do_bench medians; fwd+bwd times one forward and one backward from a fixed output gradient;
 peak MiB is the allocation peak of one fwd+bwd over what was allocated before it.
 
@@ -37,8 +37,9 @@ BF16 = torch.bfloat16
 SOFTCAP = 50.0
 WINDOW = 1024
 
-# name, B, Hq, Hkv, S, D, variant; variant: none | causal-graph | causal-buffer | softcap | alibi | window |
-# causal-padding (batch b keeps its first S * (4 - b) / 4 keys: a padded batch's mask, no structure)
+# name, B, Hq, Hkv, S, D, variant[, Dv]; variant: none | causal-graph | causal-buffer | softcap | alibi | window |
+# causal-padding (batch b keeps its first S * (4 - b) / 4 keys: a padded batch's mask, no structure); Dv: V's head
+# dim where it differs from Q's and K's (DeepSeek's multi-head latent attention: 192 and 128)
 ROWS = [
     ("no mask", 4, 16, 16, 4096, 128, "none"),
     ("causal, mask in a buffer", 4, 16, 16, 4096, 128, "causal-buffer"),
@@ -50,6 +51,8 @@ ROWS = [
     ("D64 S1024 causal, mask in a buffer", 16, 16, 16, 1024, 64, "causal-buffer"),
     ("GQA 32/8 causal", 4, 32, 8, 2048, 128, "causal-graph"),
     ("causal + key padding (in a buffer)", 4, 16, 16, 4096, 128, "causal-padding"),
+    ("MLA causal (q/k 192, v 128)", 4, 16, 16, 4096, 192, "causal-graph", 128),
+    ("MLA soft-cap + causal (q/k 192, v 128)", 4, 16, 16, 4096, 192, "softcap", 128),
 ]
 
 
@@ -184,14 +187,15 @@ def _lowering(seen):
     return ", ".join(dict.fromkeys("sdpa" if r.kernel == "sdpa" else "triton" for r in att)) or "not recognised"
 
 
-def run_row(name, b, hq, hkv, s, d, variant, quick=False, dev="cuda"):
+def run_row(name, b, hq, hkv, s, d, variant, dv=None, quick=False, dev="cuda"):
     torch.manual_seed(0)
+    dv = dv or d
     q = torch.randn(b, hq, s, d, device=dev, dtype=BF16)
     k = torch.randn(b, hkv, s, d, device=dev, dtype=BF16)
-    v = torch.randn(b, hkv, s, d, device=dev, dtype=BF16)
-    g = torch.randn(b, hq, s, d, device=dev, dtype=BF16)
+    v = torch.randn(b, hkv, s, dv, device=dev, dtype=BF16)
+    g = torch.randn(b, hq, s, dv, device=dev, dtype=BF16)
     eager = HandWritten(variant, hq // hkv, s, dev)
-    row = {"row": name, "shape": f"B{b} H{hq}/{hkv} S{s} D{d}", "variant": variant}
+    row = {"row": name, "shape": f"B{b} H{hq}/{hkv} S{s} D{d}" + (f"/{dv}" if dv != d else ""), "variant": variant}
     systems = {"eager": lambda: eager, "inductor": lambda: torch.compile(eager),
                "sdpa": lambda: sdpa_version(variant, hq, s, dev), "flex": lambda: flex_version(variant, b, hq, s, dev),
                "fuser": lambda: torch.compile(eager, backend="fuser"),
@@ -202,8 +206,6 @@ def run_row(name, b, hq, hkv, s, d, variant, quick=False, dev="cuda"):
         ref = None if quick else eager(q, k, v).float()
     for label, make in systems.items():
         for mode in ("fwd", "fwd+bwd"):
-            if mode == "fwd+bwd" and label == "fuser-triton":
-                continue  # our kernel has no backward yet
             torch._dynamo.reset()
             seen = len(all_reports())
             try:
@@ -279,7 +281,8 @@ def main():
     if args.smoke:
         global BF16, WINDOW
         BF16, WINDOW = torch.float32, 16
-        picked = [(n, 1, h // 8, hkv // 8, 64, 16, var) for n, _, h, hkv, _, _, var in picked]
+        picked = [(n, 1, h // 8, hkv // 8, 64, 24 if dv else 16, var, *([16] if dv else []))
+                  for n, _, h, hkv, _, _, var, *dv in picked]
     stem = Path(args.out) / f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{datetime.date.today()}-attention"
     stem.parent.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -27,6 +27,8 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); every one fits Hopp
          (128, 32, 4, 4)],
     128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4),
           (128, 64, 8, 4), (128, 128, 8, 2), (128, 64, 8, 2)],
+    192: [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 3),
+          (64, 64, 8, 3)],  # MLA: Q and K tiles padded to 256, V's and the accumulator 128
 }
 
 
@@ -38,6 +40,8 @@ BACKWARD = {  # per kernel: dK/dV owns BLOCK_N keys and walks BLOCK_M queries, d
                    (32, 128, 8, 2), (64, 64, 8, 2), (128, 64, 8, 2)],
           "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
                  (128, 32, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)]},
+    192: {"dkdv": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2)],
+          "dq": [(64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)]},
 }
 
 
@@ -45,12 +49,21 @@ def ms(fn):
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def sweep(name, b, hq, hkv, s, d, variant):
+def _qkv(b, hq, hkv, s, d, dv, grad=False):
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    return q, k, torch.randn(b, hkv, s, dv or d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+
+
+def _shape(b, hq, hkv, s, d, dv) -> str:
+    return f"B{b} H{hq}/{hkv} S{s} D{d}" + (f"/{dv}" if dv else "")
+
+
+def sweep(name, b, hq, hkv, s, d, variant, dv=None):
     torch.manual_seed(0)
-    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = _qkv(b, hq, hkv, s, d, dv)
     eager = ab.HandWritten(variant, hq // hkv, s, "cuda")
-    row = {"row": name, "shape": f"B{b} H{hq}/{hkv} S{s} D{d}"}
+    row = {"row": name, "shape": _shape(b, hq, hkv, s, d, dv)}
     with torch.no_grad():
         ref = eager(q, k, v).float()
         for label, fn in (("sdpa", ab.sdpa_version(variant, hq, s, "cuda")), ("flex", ab.flex_version(variant, b, hq, s, "cuda"))):
@@ -79,13 +92,12 @@ def sweep(name, b, hq, hkv, s, d, variant):
     return row
 
 
-def sweep_backward(name, b, hq, hkv, s, d, variant):
+def sweep_backward(name, b, hq, hkv, s, d, variant, dv=None):
     """One training step of the row (fuser claims the attention before autograd as our kernel) per
     backward tile config, beside FlexAttention's step."""
     torch.manual_seed(0)
-    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    g = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = _qkv(b, hq, hkv, s, d, dv, grad=True)
+    g = torch.randn(b, hq, s, dv or d, device="cuda", dtype=torch.bfloat16)
     eager = ab.HandWritten(variant, hq // hkv, s, "cuda")
 
     def step(fn):
@@ -94,7 +106,7 @@ def sweep_backward(name, b, hq, hkv, s, d, variant):
                 t.grad = None
             fn(q, k, v).backward(g)
         return run
-    row = {"row": name, "shape": f"B{b} H{hq}/{hkv} S{s} D{d}", "configs": {}}
+    row = {"row": name, "shape": _shape(b, hq, hkv, s, d, dv), "configs": {}}
     step(eager)()
     ref = q.grad.float().clone()  # err: dQ against eager's
 
@@ -104,7 +116,7 @@ def sweep_backward(name, b, hq, hkv, s, d, variant):
     step(flex)()
     row["flex"] = ms(step(flex))
     torch._dynamo.reset()
-    fused = torch.compile(eager, backend="fuser")
+    fused = torch.compile(eager, backend="fuser", options={"attention": "triton"})
     plan = attention_bwd.attention_bwd_plan
     shipped = plan(d, torch.bfloat16, True)
 

@@ -20,8 +20,8 @@ import torch
 from fuser.dtypes import interpreting, math_import
 from fuser.plan import attention_bwd_plan, cdiv, next_pow2
 
-from .attention import (WIDE_ARANGES, _LOG2E, _TL_DTYPE, ScoreMod, _extra_args, _extra_lines, _indent, over_tiles,
-                        probability_dropout, wide)
+from .attention import (WIDE_ARANGES, _LOG2E, _TL_DTYPE, ScoreMod, _extra_args, _extra_lines, _indent, check_head_dims,
+                        over_tiles, probability_dropout, wide)
 
 __all__ = ["attention_bwd_source", "prepare_bwd"]
 
@@ -30,12 +30,15 @@ class NoGradient(ValueError):
     """The score modification has no gradient lines (a chain whose derivative was not derived)."""
 
 
-def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0.0) -> str:
-    """Triton source of `attention_bwd_dkdv` and `attention_bwd_dq` for one score mod, head dim, dtype;
-    `dropout` as the forward's (its mask drawn again from the same seed and counters)."""
+def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0.0, head_dim_v: int | None = None) -> str:
+    """Triton source of `attention_bwd_dkdv` and `attention_bwd_dq` for one score mod, head dims, dtype;
+    `dropout` as the forward's (its mask drawn again from the same seed and counters); `head_dim_v`: V's
+    (and dO's) head dim where it differs from Q's and K's."""
     if mod.lines and mod.grad is None or any(lines is None for _, lines in mod.bias_grads):
         raise NoGradient("attention backward: the score modification has no gradient")
-    block_d = max(16, next_pow2(head_dim))
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    check_head_dims(head_dim, head_dim_v)
+    block_d, block_dv = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
     upcast = ".to(tl.float32)" if interpreting() and dtype == torch.bfloat16 else ""
     low = "tl.float32" if upcast else _TL_DTYPE[dtype]
     off = mod.causal_offset
@@ -45,7 +48,7 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0
         keep.append(f"(k_idx <= {qpos})")
     if mod.window is not None:
         keep.append(f"({qpos} - k_idx < {mod.window})")
-    d_pad = block_d != head_dim
+    d_pad, dv_pad = block_d != head_dim, block_dv != head_dim_v
 
     def scores(full: bool) -> list[str]:
         """P and dS of one tile.  A full tile (inside M, N and the structure) has no mask at all."""
@@ -70,24 +73,25 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0
 
     def q_tiles(rows: str, full: bool) -> list[str]:
         rm = None if full else "q_ok"
-        dm = "d_ok[None, :]" if d_pad else None
-        m2 = " & ".join(x for x in (rm, dm) if x)
-        m2 = f", mask={m2}, other=0.0" if m2 else ""
+        def masks(pad: bool, ok: str) -> str:
+            m2 = " & ".join(x for x in (rm, f"{ok}[None, :]" if pad else None) if x)
+            return f", mask={m2}, other=0.0" if m2 else ""
         m1 = "" if full else ", mask=offs_m < M, other=float('inf')"  # rows past M: p = 0
         m0 = "" if full else ", mask=offs_m < M, other=0.0"
         return [f"offs_m = {rows}", "q_idx = offs_m[:, None]", "q_ok = q_idx < M",
-                f"q = tl.load(q_base + q_idx * stride_qm + offs_d[None, :] * stride_qd{m2}){upcast}",
-                f"do = tl.load(do_base + q_idx * stride_om + offs_d[None, :] * stride_od{m2}){upcast}",
+                f"q = tl.load(q_base + q_idx * stride_qm + offs_d[None, :] * stride_qd{masks(d_pad, 'd_ok')}){upcast}",
+                f"do = tl.load(do_base + q_idx * stride_om + offs_dv[None, :] * stride_od{masks(dv_pad, 'dv_ok')}){upcast}",
                 f"m_row = tl.load(LSE + row + offs_m{m1})",
                 f"log_l = tl.load(LSE + stats + row + offs_m{m0})",
                 f"delta = tl.load(DELTA + row + offs_m{m0})"]
 
     def k_tiles(cols: str, full: bool) -> list[str]:
-        km = " & ".join(x for x in ("d_ok[:, None]" if d_pad else None, None if full else "k_ok") if x)
-        km = f", mask={km}, other=0.0" if km else ""
+        def masks(pad: bool, ok: str) -> str:
+            km = " & ".join(x for x in (f"{ok}[:, None]" if pad else None, None if full else "k_ok") if x)
+            return f", mask={km}, other=0.0" if km else ""
         return [f"kn = {cols}", "k_idx = kn[None, :]", "k_ok = k_idx < N",
-                f"kT = tl.load(k_base + offs_d[:, None] * stride_kd + k_idx * stride_kn{km}){upcast}",
-                f"vT = tl.load(v_base + offs_d[:, None] * stride_vd + k_idx * stride_vn{km}){upcast}"]
+                f"kT = tl.load(k_base + offs_d[:, None] * stride_kd + k_idx * stride_kn{masks(d_pad, 'd_ok')}){upcast}",
+                f"vT = tl.load(v_base + offs_dv[:, None] * stride_vd + k_idx * stride_vn{masks(dv_pad, 'dv_ok')}){upcast}"]
 
     def loop(var: str, lo: str, hi: str, block: str, body: list[str], what: str, listed: str | None = None) -> list[str]:
         return [f"# {what}", *over_tiles(var, block, lo, hi, listed, body)]
@@ -142,7 +146,7 @@ do_base = DO + b64 * stride_ob + h64 * stride_oh
 row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima, then the logs of the row sums
 {chr(10).join(extra_bases)}""".split("\n")
     common = ["stats = STATS  # B*Hq*M: LSE's second half, the logs of the row sums", *WIDE_ARANGES, "offs_d = tl.arange(0, BLOCK_D)",
-              "d_ok = offs_d < HEAD_DIM"] + (["seed = tl.load(SEED)  # dropout's, as the forward's"] if dropout else [])
+              "d_ok = offs_d < HEAD_DIM", "offs_dv = tl.arange(0, BLOCK_DV)", "dv_ok = offs_dv < HEAD_DIM_V"] + (["seed = tl.load(SEED)  # dropout's, as the forward's"] if dropout else [])
 
     def dkdv_body(full: bool) -> list[str]:
         return [*q_tiles("start_m + ar_m", full), *scores(full),
@@ -182,17 +186,18 @@ row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima
             "kv64 = (bkv % HKV).to(tl.int64)", "k_base = K + b_idx.to(tl.int64) * stride_kb + kv64 * stride_kh",
             "v_base = V + b_idx.to(tl.int64) * stride_vb + kv64 * stride_vh", *common,
             "start_n = tl.program_id(0) * BLOCK_N"] + k_tiles("start_n + ar_n", False) + [
-        "dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)", "dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)",
+        "dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)", "dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)",
         "for grp in range(part * (GROUP // SPLIT), (part + 1) * (GROUP // SPLIT)):  # query heads reading this K/V head",
         "    h_idx = (bkv % HKV) * GROUP + grp", "    bh = b_idx * H + h_idx",
         *["    " + x for x in per_head + dkdv_loops],
         "out = (bkv.to(tl.int64) * N + kn[:, None]) * HEAD_DIM + offs_d[None, :]  # [B, Hkv, N, D], K's dtype",
+        "out_v = (bkv.to(tl.int64) * N + kn[:, None]) * HEAD_DIM_V + offs_dv[None, :]  # [B, Hkv, N, Dv], V's",
         "if ATOMIC:  # the heads split over SPLIT programs: their sums added into fp32 buffers",
         "    tl.atomic_add(DK + out, dk * scale, mask=(kn[:, None] < N) & d_ok[None, :])",
-        "    tl.atomic_add(DV + out, dv, mask=(kn[:, None] < N) & d_ok[None, :])",
+        "    tl.atomic_add(DV + out_v, dv, mask=(kn[:, None] < N) & dv_ok[None, :])",
         "else:",
         f"    tl.store(DK + out, (dk * scale).to({_TL_DTYPE[dtype]}), mask=(kn[:, None] < N) & d_ok[None, :])",
-        f"    tl.store(DV + out, dv.to({_TL_DTYPE[dtype]}), mask=(kn[:, None] < N) & d_ok[None, :])"]
+        f"    tl.store(DV + out_v, dv.to({_TL_DTYPE[dtype]}), mask=(kn[:, None] < N) & dv_ok[None, :])"]
     dq = ["bh = tl.program_id(1)", "b_idx = bh // H", "h_idx = bh % H", "kv64 = (h_idx // GROUP).to(tl.int64)",
           "k_base = K + b_idx.to(tl.int64) * stride_kb + kv64 * stride_kh",
           "v_base = V + b_idx.to(tl.int64) * stride_vb + kv64 * stride_vh", *per_head, *common,
@@ -202,7 +207,7 @@ row = bh.to(tl.int64) * M  # DELTA: [B*Hq, M]; LSE: [2, B*Hq, M], the row maxima
         "mask=q_ok & d_ok[None, :])  # [B, Hq, M, D], Q's dtype"]
     return f'''\
 # Generated by fuser.codegen.attention_bwd: FlashAttention-2 backward, {len(mod.lines)} score-mod line(s){f", dropout {dropout} (its mask drawn again from SEED)" if dropout else ""}.
-# head_dim {head_dim} (padded to {block_d}), {dtype}, fp32 accumulation; P recomputed from Q, K and the
+# head_dim {head_dim} (padded to {block_d}), V's {head_dim_v} (padded to {block_dv}), {dtype}, fp32 accumulation; P recomputed from Q, K and the
 # forward's row maximum and log-sum, kept apart: exp(s - m - log l) is 1/N on a row a finite fill masks whole,
 # as in eager, where exp(s - lse) with lse = -1e36 + log N (rounded to -1e36) would be 1.
 # HBM bytes: dK/dV read Q, dO (and LSE, delta) once per key block, K, V once, write dK, dV (K's dtype, per
@@ -212,6 +217,8 @@ import triton.language as tl
 {math_import("".join(mod.helpers) + "".join(mod.lines) + "".join(mod.grad or ()))}
 HEAD_DIM = tl.constexpr({head_dim})
 BLOCK_D = tl.constexpr({block_d})
+HEAD_DIM_V = tl.constexpr({head_dim_v})
+BLOCK_DV = tl.constexpr({block_dv})
 LOG2E = tl.constexpr({_LOG2E!r})
 {"".join(mod.helpers)}
 
@@ -274,22 +281,22 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     dout is read in its own layout.  The gradients are q's, k's and v's shapes in their dtypes, contiguous.
     `seed`: the forward's dropout seed, for kernels made with dropout.  `lists_cache`: see attention._extra_args."""
     B, Hq, M, D = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
-    kv_plan, q_plan = attention_bwd_plan(D, q.dtype, q.is_cuda)
+    Hkv, N, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    kv_plan, q_plan = attention_bwd_plan(max(D, Dv), q.dtype, q.is_cuda)
     if mod.data_mask:  # the lists are made for one tile shape
         kv_plan = q_plan
-    block_d = max(16, next_pow2(D))
+    block_d = max(16, next_pow2(Dv))  # delta's tiles: O's and dO's
     delta = torch.empty((B, Hq, M), dtype=torch.float32, device=q.device)
     rows = min(64, 4096 // block_d) if q.is_cuda else 16  # O's and dO's tiles: 4096 fp32 values each at most
     first = [(DELTA_SOURCE, "attention_bwd_delta", (cdiv(M, rows), B * Hq),
-              (out, dout, delta, *out.stride(), *dout.stride(), Hq, M, D), dict(BLOCK_M=rows, BLOCK_D=block_d))]
+              (out, dout, delta, *out.stride(), *dout.stride(), Hq, M, Dv), dict(BLOCK_M=rows, BLOCK_D=block_d))]
     dq = torch.empty((B, Hq, M, D), dtype=q.dtype, device=q.device)
     split = _split(cdiv(N, kv_plan[1]) * B * Hkv, Hq // Hkv, q.device)
     if split > 1:  # summed atomically in fp32, rounded after (the caller's .to)
-        dk, dv = (torch.zeros((B, Hkv, N, D), dtype=torch.float32, device=q.device) for _ in range(2))
+        dk, dv = (torch.zeros((B, Hkv, N, d), dtype=torch.float32, device=q.device) for d in (D, Dv))
     else:
         dk = torch.empty((B, Hkv, N, D), dtype=k.dtype, device=q.device)
-        dv = torch.empty((B, Hkv, N, D), dtype=v.dtype, device=q.device)
+        dv = torch.empty((B, Hkv, N, Dv), dtype=v.dtype, device=q.device)
     extra_args, lists = _extra_args(extras, mod, B, Hq, M, N, *q_plan[:2], by_keys=True, lists_cache=lists_cache)
     dextras = []  # a learned bias's gradient: fp32, its own shape (the kernel sums over where it broadcasts)
     for i, _ in mod.bias_grads:

@@ -270,8 +270,9 @@ def lower(gm: fx.GraphModule, att, fixups: dict, buffers: set | None = None,
     fix_rows = c is not None and value is None and not finite(checked) and not att.safe  # a constant mask was checked above
     boolean = _boolean(checked) if sources else None
     if sources:  # the mask as the program made it: clamped, and its rows of -inf found, only where SDPA takes it
-        d = shape(q)[-1]
-        ours = meta(q).dtype in (torch.float16, torch.bfloat16, torch.float32) and d.is_Integer and int(d) <= 256
+        dims = (shape(q)[-1], shape(v)[-1])
+        ours = meta(q).dtype in (torch.float16, torch.bfloat16, torch.float32) and all(d.is_Integer and int(d) <= 256
+                                                                                      for d in dims)
         # ours: what our kernels take (as fuser.pregrad checks for training); else SDPA with the mask
         given = boolean[0] if boolean else c  # a boolean mask read as it is: no additive copy made per call
         out = build(causal_or_masked(structured if ours else None, listed if ours else None, fix_rows,

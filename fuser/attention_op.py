@@ -73,10 +73,14 @@ def register_site(sdpa_scale: float | None) -> int:
     return len(_SITES) - 1
 
 
+def _source(make, mod: ScoreMod, q: torch.Tensor, v: torch.Tensor, dropout: float) -> str:
+    return _made(make, mod, q.shape[-1], v.shape[-1], q.dtype, q.device.type, dropout)
+
+
 @functools.lru_cache(maxsize=128)
-def _source(make, mod: ScoreMod, head_dim: int, dtype, device_type: str, dropout: float) -> str:
+def _made(make, mod: ScoreMod, head_dim: int, head_dim_v: int, dtype, device_type: str, dropout: float) -> str:
     with target(device_type):
-        return make(mod, head_dim, dtype, dropout)
+        return make(mod, head_dim, dtype, dropout, head_dim_v)
 
 
 def _check_dropout(q: torch.Tensor, dropout: float, seeds: list[torch.Tensor]) -> torch.Tensor | None:
@@ -125,7 +129,8 @@ def _sdpa_backend(q, k, v, scale: float, dropout: float, structure: tuple) -> in
     backend switches included), where it is flash or cuDNN (their private ops are called with the forward's
     statistics kept for the backward); None where SDPA cannot compute it: a causal mask from the top-left
     (offset 0, no window), no dropout, CUDA."""
-    if structure[0] != 0 or structure[1] is not None or dropout or not q.is_cuda or q.shape[-1] % 8 or q.shape[-1] > 128:
+    if structure[0] != 0 or structure[1] is not None or dropout or not q.is_cuda or q.shape[-1] % 8 or q.shape[-1] > 128 \
+            or v.shape[-1] != q.shape[-1]:
         return None  # head dims: as SDPA pads them (its private ops do not), and within every GPU's backward
     choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return choice if choice in (_FLASH, _CUDNN) else None
@@ -145,11 +150,11 @@ def _take(q, k, v, extras, mod: ScoreMod, dropout: float, site: int, sources, sc
     return ("structured", _structured(mod, structure))
 
 
-def _out_like(q: torch.Tensor) -> torch.Tensor:
+def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The op's output: contiguous, the layout the replaced `P @ V` had, whatever reads it (a view, an
     expand then a view, ...).  Decision: SDPA's output in q's layout is copied where they differ (a q viewed
     from [B, M, H, D]); a layout of q's own broke views after an expand (found by review)."""
-    return q.new_empty(q.shape)
+    return q.new_empty((*q.shape[:3], v.shape[-1]))
 
 
 def _taken(out: torch.Tensor):
@@ -188,9 +193,9 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras
         lse = torch.stack((lse, torch.zeros_like(lse)))  # log l = 0: the maximum's row holds the log-sum-exp
     else:
         m = taken[1] if taken is not None else m
-        source = _source(attention_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
+        source = _source(attention_source, m, q, v, dropout)
         out, lse = run_attention(source, prepare, q, k, v, tuple(extras), mod=m, scale=scale, return_lse=True,
-                                 seed=seed, out=_out_like(q), lists_cache=lists_cache(q) if keep_lists else None)
+                                 seed=seed, out=_out_like(q, v), lists_cache=lists_cache(q) if keep_lists else None)
     _TAKEN[out.data_ptr()] = (StorageWeakRef(out.untyped_storage()), taken)
     return out, lse
 
@@ -198,7 +203,7 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras
 @flash_attention_op.register_fake
 def _(q, k, v, extras, scale, mod, dropout, seeds, site, sources, keep_lists):
     _check_dropout(q, dropout, seeds)
-    return _out_like(q), q.new_empty((2, *q.shape[:3]), dtype=torch.float32)
+    return _out_like(q, v), q.new_empty((2, *q.shape[:3]), dtype=torch.float32)
 
 
 @torch.library.custom_op("fuser::flash_attention_backward", mutates_args=())
@@ -226,7 +231,7 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
                 True, scale=s)
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), []
     m = taken[1] if taken is not None else m
-    source = _source(attention_bwd_source, m, q.shape[-1], q.dtype, q.device.type, dropout)
+    source = _source(attention_bwd_source, m, q, v, dropout)
     dq, dk, dv, dextras, launches, args, first = prepare_bwd(q, k, v, out, dout, lse, tuple(extras), mod=m,
                                                                    scale=scale, seed=seed,
                                                                    lists_cache=lists_cache(q) if keep_lists else None)

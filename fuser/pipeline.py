@@ -213,7 +213,8 @@ def _attention_kernel(att, cg, name: str) -> tuple[AttentionKernel, attention_co
     """The flash-attention kernel of a recognised attention, its score chain as the score mod (returned too)."""
     with target(meta(att.q).device.type):
         mod = score_mod(att.scores, att.chain, att.extras, cg, mask_structure(att, cg), extra_forms(att))
-        source = attention_codegen.attention_source(mod, int(shape(att.q)[-1]), meta(att.q).dtype)
+        source = attention_codegen.attention_source(mod, int(shape(att.q)[-1]), meta(att.q).dtype,
+                                                    head_dim_v=int(shape(att.v)[-1]))
     return (AttentionKernel(name, source, functools.partial(attention_codegen.prepare, mod=mod),
                             tuple(shape(n) for n in att.inputs), tuple(meta(n).dtype for n in att.inputs),
                             meta(att.out).dtype, "score mod: " + "; ".join(mod.lines)), mod)
@@ -290,14 +291,14 @@ def _listed(q, k, v, mask, scale: float, same_value=None, kind: str = "add", fil
 
 
 def _ours(q, k, v, extras, mod, scale: float, **kept):
-    source = _attention_source(mod, q.shape[-1], q.dtype, q.device.type)
+    source = _attention_source(mod, q.shape[-1], v.shape[-1], q.dtype, q.device.type)
     return run_attention(source, attention_codegen.prepare, q, k, v, extras, mod=mod, scale=scale, **kept)[0]
 
 
 @functools.lru_cache(maxsize=64)
-def _attention_source(mod, head_dim: int, dtype, device_type: str) -> str:
+def _attention_source(mod, head_dim: int, head_dim_v: int, dtype, device_type: str) -> str:
     with target(device_type):
-        return attention_codegen.attention_source(mod, head_dim, dtype)
+        return attention_codegen.attention_source(mod, head_dim, dtype, head_dim_v=head_dim_v)
 
 
 def _attention_report(a, cg, kernel, source, graph_index, rid, hints, lowering) -> RegionReport:

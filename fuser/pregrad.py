@@ -396,11 +396,11 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set,
         return "SDPA's math path (fully masked rows give 0)", ""
     if any(meta(n).device != meta(a.q).device for n in a.inputs):
         return "operands on several devices", ""
-    dtype, head_dim = meta(a.q).dtype, shape(a.q)[-1]  # an integer: normalize_attention fixes a symbolic one
-    if not head_dim.is_Integer:
-        return f"a head dim that varies between calls ({head_dim}: the kernel is made for a static head dim)", ""
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or head_dim > 256:
-        return f"{dtype} q with head dim {head_dim} (the kernel takes 16- and 32-bit floats, head dims up to 256)", ""
+    dtype, dims = meta(a.q).dtype, (shape(a.q)[-1], shape(a.v)[-1])  # integers: normalize_attention fixes symbolic ones
+    if not all(d.is_Integer for d in dims):
+        return f"a head dim that varies between calls ({dims}: the kernel is made for static head dims)", ""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or max(dims) > 256:
+        return f"{dtype} q with head dims {dims} (the kernel takes 16- and 32-bit floats, head dims up to 256)", ""
     try:
         with target(meta(a.q).device.type):
             mod = score_mod(a.scores, a.chain, a.extras, cg, mask_structure(a, cg), extra_forms(a),

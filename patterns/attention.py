@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_int
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_int, statically_known_true
 
 from fuser import ops
 from fuser.codegen.attention import IndexMask, LinearBias, structure_of
-from fuser.indexing import broadcast_shapes, expr
+from fuser.indexing import expr
 from fuser.graph import (ComputeGraph, current, fake_mode_of, fold_fixed_sizes, fold_into, insert, packet, is_generator, meta, operands,
                          real_tensors, run_node, shape)
 
@@ -210,6 +210,15 @@ def _chain(x, scores, cg: ComputeGraph):
     return sorted(chain, key=cg.order.__getitem__), extras
 
 
+def _broadcasts_to(small, big) -> bool:
+    """Whether a tensor of shape `small` broadcasts to `big` unchanged, asked of the sizes' fake values, whose shape
+    environment knows what the trace proved: MPT slices its ALiBi bias from `max(0, L - s)`, a size of
+    `L - Max(0, L - s)` equal to s by a guard the add took (not by its expression)."""
+    if len(small) > len(big):
+        return False
+    return all(statically_known_true(x == 1) or statically_known_true(x == y) for x, y in zip(reversed(small), reversed(big)))
+
+
 def _ancestors(n, stop_before: int, cg: ComputeGraph) -> set:
     seen, stack = set(), [n]
     while stack:
@@ -229,9 +238,9 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     if len(users) != 1 or packet(users[0]) not in _VIEW or len(shape(users[0])) != 4:
         return None
     out = users[0]
-    b, h, m, d = shape(out)
-    if not d.is_Integer:
-        return None  # the kernel is built for one head dim; batch, heads and lengths may vary
+    b, h, m, dv = shape(out)
+    if not dv.is_Integer:
+        return None  # the kernel is built for static head dims; batch, heads and lengths may vary
     p, walked_p = _operand4(pv.args[0], (b, h, m, shape(pv.args[0])[-1]))
     if p is None:
         return None
@@ -254,7 +263,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     if x is None:
         return None
     n = shape(x)[-1]
-    v, walked_v = _operand4(pv.args[1], (b, h, n, d), shared_heads=True)
+    v, walked_v = _operand4(pv.args[1], (b, h, n, dv), shared_heads=True)
     if v is None:
         return None
     v = undo_repeat_kv(v, walked_v)
@@ -265,6 +274,9 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
         return None
     qk = max(candidates, key=cg.order.__getitem__)  # the nearest: earlier layers are ancestors too
     scores = next(iter(qk.users))
+    d = shape(qk.args[0])[-1]  # Q's and K's head dim: V's may differ (MLA: DeepSeek's 192 and 128)
+    if not d.is_Integer:
+        return None
     found = _chain(x, scores, cg) if x is not scores else ([], [])
     if found is None:
         return None
@@ -280,7 +292,7 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
     if meta(q).dtype != meta(k).dtype or meta(k).dtype != meta(v).dtype:
         return None
     for e in extras:  # masks and biases, broadcast over [B, H, M, N], not computed from V
-        if meta(e) is None or len(shape(e)) > 4 or broadcast_shapes(shape(e), (b, h, m, n)) != (b, h, m, n):
+        if meta(e) is None or len(shape(e)) > 4 or not _broadcasts_to(meta(e).shape, meta(scores).shape):
             return None
         if v in _ancestors(e, cg.order[v], cg):
             return None

@@ -477,14 +477,15 @@ def test_mask_computed_from_v_is_not_rewritten(device):
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "bloom", "falcon", "falcon_no_mask", "falcon_rope",
-                                  "falcon_new_arch"])
+                                  "falcon_new_arch", "deepseek_v3"])
 def test_hf_eager_attention_is_recognised(name, device):
     """BLOOM writes its scores as baddbmm(alibi, q, kᵀ) over [B·H, ., .] with Kᵀ transposed after
     that view: the ALiBi bias joins the additive mask.  Falcon (ALiBi, multi-query) broadcasts its
     one K/V head to all query heads and views its scores to the shape they have; without a mask its
     ALiBi and causal mask are constants, and it flattens the attention's output (a view of the bmm's
     layout, which SDPA's output does not have: a reshape there).  Falcon with RoPE scales its scores
-    in place: a view to [B·H, M, N] and back around the division."""
+    in place: a view to [B·H, M, N] and back around the division.  DeepSeek-V3's latent attention has V's
+    head dim apart from Q's and K's."""
     torch.manual_seed(6)
     kw = {}
     if name.startswith("falcon"):
@@ -504,6 +505,12 @@ def test_hf_eager_attention_is_recognised(name, device):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, attn_implementation="eager"))
+    elif name == "deepseek_v3":  # MLA: q and k at 32 + 16, v at 32; its MoE kept small
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=16,
+            qk_nope_head_dim=32, v_head_dim=32, attn_implementation="eager"))
     elif name == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_implementation="eager",
@@ -557,6 +564,45 @@ def test_bloom_scores_over_symbolic_lengths(four_d, device):
             torch.testing.assert_close(fused(q, k, v, bias), model(q, k, v, bias), atol=1e-4, rtol=1e-4)
         assert not fused.report.all_fallbacks, fused.report
         assert not any("baddbmm" in u.op for u in fused.report.unfused), fused.report  # written out as bmm, mul, add
+
+
+class _SlicedBias(torch.nn.Module):
+    """MPT's ALiBi: a bias made for the longest length, sliced from `max(0, L - s)` per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("alibi", torch.randn(4, 1, 64))
+
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.25
+        bias = self.alibi[:, :, max(0, 64 - k.shape[2]):]
+        causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = (s + bias.to(s.dtype)).masked_fill(causal, torch.finfo(s.dtype).min)
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("lowering", [True, "triton"])
+def test_a_bias_sliced_by_a_length_that_varies(lowering, device):
+    """MPT's bias sliced at `max(0, L - s)`: its last size is `L - Max(0, L - s)`, s only by the guard the
+    trace took (compared structurally, no attention was found at symbolic lengths); in training too."""
+    torch.manual_seed(11)
+    model = _SlicedBias().to(device)
+    fused = torch.compile(model, backend="fuser", dynamic=True, options={"attention": lowering})
+    before = len(fuser.reports())
+    for n in (37, 45):
+        q, k, v = (torch.randn(2, 4, n, 16, device=device, dtype=_dtype(device)) for _ in range(3))
+        with torch.no_grad():
+            torch.testing.assert_close(fused(q, k, v), model(q, k, v), **TOL[q.dtype])
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        got = torch.autograd.grad(fused(*xs).float().sum(), xs)
+        want = torch.autograd.grad(model(*xs).float().sum(), xs)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **TOL[q.dtype])
+    reports = fuser.reports()[before:]
+    assert any(r.kind == "attention" for rep in reports for r in rep.regions), reports
+    assert any("claimed before autograd" in n for rep in reports for n in rep.notes), [rep.notes for rep in reports]
+    assert not any(rep.all_fallbacks for rep in reports)
+    assert any(r.symbolic for rep in reports for r in rep.regions if r.kind == "attention")  # found at symbolic lengths
 
 
 def _pad_mask(device, b, n, fill_row=None):
@@ -632,6 +678,59 @@ def test_chains_sdpa_cannot_express_run_our_kernel(chain, reason, device):
         torch.testing.assert_close(fused(q, k, v), attn(q, k, v), equal_nan=True, **tol)
     (r,) = _attention_regions(fused)
     assert r.kernel != "sdpa" and reason in r.lowering, r.lowering
+
+
+def _mla(device, hkv=3):
+    """q and k at head dim 48 (DeepSeek's "nope" 32 + "rope" 16), v at 32: multi-head latent attention."""
+    dt = _dtype(device)
+    return (torch.randn(2, 3, 37, 48, device=device, dtype=dt), torch.randn(2, hkv, 37, 48, device=device, dtype=dt),
+            torch.randn(2, hkv, 37, 32, device=device, dtype=dt))
+
+
+def _mla_attention(form: str):
+    causal = torch.ones(37, 37, dtype=torch.bool).triu(1)
+
+    def attn(q, k, v):
+        if k.shape[1] != q.shape[1]:  # repeat_kv
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
+        s = q @ k.transpose(-1, -2) * 48 ** -0.5
+        if form == "soft-cap + causal":
+            s = 20.0 * torch.tanh(s / 20.0)
+        s = s.masked_fill(causal.to(s.device), float("-inf"))
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+    return attn
+
+
+@pytest.mark.parametrize("lowering,form,hkv", [(True, "causal", 3), ("triton", "causal", 1),
+                                               (True, "soft-cap + causal", 3)])
+def test_mla_value_head_dim_of_its_own(lowering, form, hkv, device):
+    """V's head dim differs from Q's and K's (DeepSeek-V2/V3): recognised; SDPA takes it where it is exact,
+    else (or asked) our kernel, whose output has V's head dim."""
+    torch.manual_seed(9)
+    q, k, v = _mla(device, hkv)
+    expect = "sdpa" if lowering is True and form == "causal" else "triton"
+    (r,) = _attention_regions(_check(_mla_attention(form), q, k, v, lowering=lowering, expect=expect))
+    assert r.output_shapes == [f"[2, 3, 37, 32] {str(q.dtype).removeprefix('torch.')}"], r.output_shapes
+
+
+@pytest.mark.parametrize("form", ["causal", "soft-cap + causal"])
+def test_mla_trains(form, device):
+    """MLA in training: claimed before autograd (SDPA, or our kernel and its backward), gradients of q, k
+    (head dim 48) and v (32) against autograd through the fp64 program."""
+    torch.manual_seed(10)
+    attn = _mla_attention(form)
+    before = len(fuser.reports())
+    xs = [x.requires_grad_() for x in _mla(device)]
+    w = torch.randn(2, 3, 37, 32, device=device)
+    got = torch.autograd.grad((torch.compile(attn, backend="fuser")(*xs).float() * w).sum(), xs)
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    want = torch.autograd.grad((attn(*x64) * w.double()).sum(), x64)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g.double(), r, atol=TOL[g.dtype]["atol"] * r.abs().max().item(), rtol=TOL[g.dtype]["rtol"])
+    notes = [n for r in fuser.reports()[before:] for n in r.notes if n.startswith("attention")]
+    assert any("claimed before autograd" in n for n in notes), notes
+    assert not any("left to its ops" in n for n in notes), notes
 
 
 def test_decode_step_causal_mask_becomes_no_mask(device):

@@ -340,6 +340,34 @@ def test_backward_matches_eager_fp64(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D,Dv,Hkv,causal", [(48, 32, 2, True), (24, 40, 1, False), (40, 40, 4, True)])
+def test_v_head_dim_of_its_own_forward_and_backward(dtype, D, Dv, Hkv, causal):
+    """MLA (DeepSeek-V2/V3: Q and K at 192, V at 128): V's head dim is its own, the output's is V's; padded
+    dims on either side, GQA, a score mod, odd lengths; the forward's LSE and the three gradients."""
+    torch.manual_seed(21)
+    B, Hq, M, N = 2, 4, 37, 45
+    q, k = rand(B, Hq, M, D, dtype=dtype), rand(B, Hkv, N, D, dtype=dtype)
+    v = rand(B, Hkv, N, Dv, dtype=dtype)
+    mod = ScoreMod(("s = 5.0 * (1.0 - 2.0 / (tl.exp(2.0 * s / 5.0) + 1.0))",), causal=causal, causal_offset=N - M,
+                   grad=("g = 1.0 - (s / 5.0) * (s / 5.0)",))
+    ref_mod = lambda s, qi, ki: 5.0 * torch.tanh(s / 5.0)  # noqa: E731
+    structure = dict(causal=causal, offset=N - M)
+    w = rand(B, Hq, M, Dv)
+    out, got = _output_and_grads(lambda q, k, v: flash_attention(q, k, v, scale=0.3, mod=mod), w, q, k, v)
+    ref_out, want = _output_and_grads(lambda q, k, v: reference(q, k, v, 0.3, mod=ref_mod, **structure)[0], w,
+                                      q.double(), k.double(), v.double())
+    assert out.shape == (B, Hq, M, Dv)
+    check(out, ref_out, dtype)
+    with torch.no_grad():
+        check_lse(flash_attention(q, k, v, scale=0.3, mod=mod, return_lse=True)[1],
+                  reference(q, k, v, 0.3, mod=ref_mod, **structure)[1])
+    for g, x, r in zip(got, (q, k, v), want):
+        assert g.dtype == dtype and g.shape == x.shape
+        tol = BWD_TOL[dtype] * r.abs().max().item()
+        torch.testing.assert_close(g.double(), r, atol=tol, rtol=BWD_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_of_rows_a_finite_fill_masks_whole(dtype):
     """Left padding under a causal mask, as Hugging Face builds it (finfo.min added to the scores): a pad
     query sees no key at all, and eager's probabilities there are uniform (every score rounds to the same
