@@ -24,11 +24,13 @@ Autocast switched inside the graph is kept: the trace records the casts it makes
 """
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
+from torch._dispatch.python import enable_python_dispatcher
 from torch._decomp.decompositions import matmul as python_matmul
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensor
@@ -146,6 +148,33 @@ class _SymbolicMatmul(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _Quiet(logging.Filter):
+    """Drops the fake tensor's log of a meta kernel's failure that `_trace` answers by tracing again."""
+
+    def filter(self, record) -> bool:
+        return False
+
+
+def _trace(gm: fx.GraphModule, decomposed: list, values: list) -> fx.GraphModule:
+    """make_fx of gm with `decomposed` decomposed; where an op's C++ kernel takes no symbolic sizes (constant_pad_nd
+    by amounts computed from sizes: Swin's window padding at symbolic sizes), traced again under the Python
+    dispatcher, as AOT Autograd traces, whose Python reference takes them.  Not under it from the start: it
+    sends SDPA's masked fake kernel to a C++ kernel that takes no symbolic sizes (bench/notes.md, run 152)."""
+    table = get_decompositions(decomposed)
+    quiet, fake_log = _Quiet(), logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addFilter(quiet)
+    try:
+        with _SymbolicMatmul():
+            return make_fx(gm, decomposition_table=table)(*values)
+    except RuntimeError as e:
+        if "expected to contain only concrete integers" not in str(e):
+            raise
+    finally:
+        fake_log.removeFilter(quiet)
+    with enable_python_dispatcher():
+        return make_fx(gm, decomposition_table=table)(*values)
+
+
 def claim(gm: fx.GraphModule, example_inputs, attention: bool | str = True, loss: bool = True,
           dropout: bool = True) -> tuple[fx.GraphModule, list[str]]:
     """(the graph AOT Autograd should trace, notes for the report).  `attention`: claim attention (as the
@@ -163,9 +192,8 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool | str = True, loss
     # Dynamo's own fake inputs (sizes symbolic where they vary): the trace keeps the size arithmetic
     values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
     mode = next(v.fake_mode for v in values if isinstance(v, FakeTensor))
-    with mode, _SymbolicMatmul(), pinned_kernels() as pinned:
-        traced = make_fx(pin_sdpa(gm) if attention else gm,
-                         decomposition_table=get_decompositions([aten._softmax, aten._safe_softmax, aten.dropout]))(*values)
+    with mode, pinned_kernels() as pinned:
+        traced = _trace(pin_sdpa(gm) if attention else gm, [aten._softmax, aten._safe_softmax, aten.dropout], values)
     if wanted == "SDPA's kernel" and not pinned:
         return gm, []  # SDPA calls alone, none the trace would take otherwise than eager: Dynamo's graph as is
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
@@ -183,8 +211,8 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool | str = True, loss
         notes = [n for n in notes if " claimed before autograd" not in n] + [
             "attention in training left to its ops: SDPA's math path, as the trace decomposed it, could not be "
             "claimed back (its decomposed backward gives NaN on fully masked rows, eager's 0)"]
-        with mode, _SymbolicMatmul():
-            traced = make_fx(gm, decomposition_table=get_decompositions([aten._softmax, aten.dropout]))(*values)
+        with mode:
+            traced = _trace(gm, [aten._softmax, aten.dropout], values)
         traced.graph.eliminate_dead_code()
     notes += (_claim_losses(traced) if loss else []) + (_claim_dropouts(traced) if dropout else [])
     if not any(" claimed before autograd" in n for n in notes):
