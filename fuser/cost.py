@@ -3,7 +3,8 @@
 On memory-bound work time is bytes over bandwidth.  Unfused, every compute node is an eager kernel
 that reads its inputs and writes its output; a chain of k same-shape ops moves 2kN elements.  Fused,
 the region reads each input once per pass over it and writes each output once: 2N, so k = 2kN / 2N.
-A region is kept only where its modelled time beats the eager time of its nodes.
+A region is kept only where its modelled time beats the eager time of its nodes (where the GPU work is shorter
+than the host's time to issue the launches, the host's: host_bound).
 """
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ EAGER_STRIDED = 0.25
 # NaN fix-up after SDPA that codegen/sdpa.py builds); masked_fill out of place clones, then fills in place
 _TWO_LAUNCHES = (torch.ops.aten.where.ScalarSelf, torch.ops.aten.where.ScalarOther, torch.ops.aten.where.Scalar,
                  torch.ops.aten.masked_fill.Scalar, torch.ops.aten.masked_fill.Tensor)
+# The host's time to issue one of our kernels and one eager op in a compiled graph.  Where the GPU work is shorter
+# (a decode step's norm over the vocabulary), the graph takes the host's time, a launch at a time.  Run 92 (the
+# H200's host) measured 14-20 us a kernel of ours inside a training step, more an eager op (an eager reduction's
+# ~60 us: split.py); runs 218-219 (bench/few_rows.py) timed splits of 2-5 launches, 1-4 of them eager ops, at
+# 11-145 us, which ~10 us a kernel of ours and ~30 an eager op fit (noisy: one split moved 2.5x between the runs)
+HOST_KERNEL_S = 15e-6
+HOST_EAGER_S = 30e-6
 
 
 def tensor_bytes(n, elems=None) -> sympy.Expr:
@@ -60,6 +68,14 @@ class Cost:
     def time_fused(self) -> float:
         occupancy = min(1.0, self.programs / NUM_SMS)
         return self.sizes.hint(self.bytes_fused) / (HBM_BYTES_PER_S * occupancy) + LAUNCH_S
+
+
+def host_bound(gpu_s: float, kernels: int, eager_ops: int) -> float:
+    """Seconds of work whose GPU time is `gpu_s`, issued as `kernels` of ours and `eager_ops` eager ops: the
+    longer of the GPU's time and the host's.  Weighs a reduction's neighbourhood as one kernel against it split
+    (Partitioner.absorb_whole): over few long rows the one kernel's few programs take more GPU time than the
+    split's pieces, and less than the host takes to issue those pieces."""
+    return max(gpu_s, kernels * HOST_KERNEL_S + eager_ops * HOST_EAGER_S)
 
 
 def eager_cost(cg: ComputeGraph, n, generators: bool = False) -> tuple[sympy.Expr, int]:

@@ -152,11 +152,13 @@ def native_group_norm_backward(dy, x, mean, rstd, weight, n: int, c: int, hw: in
 def softmax_over_many_rows(torchs, x, dim: int, half_to_float: bool):
     """torch's decomposition of (log_)softmax (`torchs`: max, exp, sum, a pointwise op), except on CUDA over fewer
     rows than the GPU has processors, each longer than one program holds in registers (a decode step's softmax
-    over a vocabulary): there our kernel runs a program a row, looping, and eager's softmax kernel is faster
-    (H200, bench/few_rows.py run 218: [1, 128256] bf16 0.037 ms eager, 0.080 ours whole; [8, 50257] 0.020 and
-    0.042), while the cost model, charging the few programs, split the decomposition into pieces, some eager
-    (0.12 ms: slower than eager).  There the op stays whole, but over 4-D scores: attention's softmax, which
-    the attention patterns find decomposed (a decode step over a long cache: our flash kernel or SDPA)."""
+    over a vocabulary).  There the partition makes the decomposition one kernel (Partitioner.absorb_whole), a
+    program a row looping over it, and eager's softmax kernel is faster still (H200, bench/few_rows.py run 218,
+    bf16: [1, 128256] 0.037 ms eager, 0.080 our one kernel; [8, 50257] 0.020 and 0.042; [64, 128256] 0.045 and
+    0.064; 4 and 32 rows of 32000 a tie; log_softmax alike).  The partition cannot weigh eager's op, decomposed
+    before it sees the graph, so the op stays whole here.  Not so layer_norm, whose eager kernel is the slow one
+    there (0.24 ms at [1, 128256] against our one kernel's 0.045).  Nor over 4-D scores: attention's softmax,
+    which the attention patterns find decomposed (a decode step over a long cache: our flash kernel or SDPA)."""
     length, rows = x.shape[dim] if x.dim() else 1, x.numel() // max(x.shape[dim] if x.dim() else 1, 1)
     if x.is_cuda and x.dim() < 4 and isinstance(length, int) and isinstance(rows, int) and length > PERSISTENT_MAX_R \
             and rows < NUM_SMS:

@@ -3,7 +3,9 @@
 Walks the graph in order and tries to merge each fusible node's group with the groups of its
 producers.  A merge is kept when (1) the nodes can share one iteration space, (2) the merged group
 leaves the graph acyclic, and (3) the cost model's time for the merged kernel beats the two apart.
-Then a group that only one other group reads tries to join it whole (under the same three tests).
+Then a group that only one other group reads tries to join it whole (under the same three tests), and a
+reduction's group tries to join every group around it at once (`absorb_whole`: the pairwise test misses a
+kernel that only pays whole, a norm over few long rows).
 The support predicate is pluggable (`supported`), as in torch.fx's CapabilityBasedPartitioner.
 A `sealed` node ends its group: no member of a merged group reads it (the pipeline seals a
 reduction whose readers codegen could not serve in one kernel, and partitions that region again).
@@ -18,8 +20,9 @@ import torch.fx as fx
 
 from . import indexing as ix
 from . import ops
-from .cost import Cost, eager_cost, eager_slow_path, eager_time, region_cost, tensor_bytes
+from .cost import Cost, eager_cost, eager_slow_path, eager_time, host_bound, region_cost, tensor_bytes
 from .graph import OWN_KERNEL, ComputeGraph, cpu_scalar, is_size, meta, numel
+from .plan import NUM_SMS
 from .region import PERSISTENT_MAX_R, Region, analyze, reduction_space
 from .runtime import updated_in_place
 
@@ -178,14 +181,19 @@ class Partitioner:
             return False
         if self.time(merged) >= self.time(a) + self.time(b) and not _forced(a, b):
             return False
-        for n in b:
+        self.join(ga, gb)
+        return True
+
+    def join(self, ga: int, gb: int):
+        """Group gb's nodes become group ga's."""
+        merged = self.members[ga] | self.members[gb]
+        for n in self.members[gb]:
             self.group[n] = ga
         self.members[ga] = merged
         del self.members[gb]
         orders = [self.cg.order[n] for n in merged]
         self.spans.pop(gb, None)
         self.spans[ga] = (min(orders), max(orders))
-        return True
 
     def partition(self) -> list[Region]:
         for n in self.cg.nodes:
@@ -210,13 +218,14 @@ class Partitioner:
                     if not merged and n.target is operator.getitem:
                         self.reasons[n] = "a component of an op that stays eager"
         self.absorb_producers()
+        self.absorb_whole()
         self.widest = True
         self.absorb_siblings()
         self.absorb_producers()  # siblings merged: a producer they both read through a view may now have one reader
         regions = []
         for gid, nodes in self.members.items():
             compute = [n for n in nodes if n.target is not operator.getitem]
-            own = len(compute) == 1 and (compute[0].meta.get(OWN_KERNEL, False) or self.pays_alone(compute[0]))
+            own = self.own_kernel(compute)
             if len(compute) < 2 and not own:
                 for n in compute:
                     self.reasons.setdefault(n, "alone: no producer or consumer it pays to fuse with (k = 1)")
@@ -224,14 +233,84 @@ class Partitioner:
             region = self.region(nodes, self.first_id + len(regions))
             if region is None:
                 continue
-            cost = self.cost(region)
-            if not own and cost.time_fused() >= sum(self.eager(n) for n in nodes):
+            if not own and not self.pays(region, nodes):
                 for n in compute:
                     self.reasons[n] = "fusing its group would not pay by the cost model"
                 continue
-            self.costs[region] = cost
+            self.costs[region] = self.cost(region)
             regions.append(region)
         return regions
+
+    def own_kernel(self, compute: list) -> bool:
+        """A lone compute node that runs as our kernel all the same."""
+        return len(compute) == 1 and (compute[0].meta.get(OWN_KERNEL, False) or self.pays_alone(compute[0]))
+
+    def pays(self, region: Region, nodes) -> bool:
+        """Whether the group's one kernel beats its ops run eagerly, each a launch the host issues."""
+        eager = sum(n.target is not operator.getitem for n in nodes)
+        fused = host_bound(self.cost(region).time_fused(), 1, 0)
+        return fused < host_bound(sum(self.eager(n) for n in nodes), 0, eager)
+
+    def as_run(self, nodes) -> tuple[float, int, int]:
+        """(modelled GPU seconds, kernels of ours, eager ops) of a group as partition() runs it: one kernel where
+        it keeps the group's region, else each op eagerly."""
+        compute = [n for n in nodes if n.target is not operator.getitem]
+        own = self.own_kernel(compute)
+        region = self.region(nodes) if len(compute) > 1 or own else None
+        if region is not None and (own or self.pays(region, nodes)):
+            return self.cost(region).time_fused(), 1, 0
+        return sum(self.eager(n) for n in nodes), 0, len(compute)
+
+    def absorb_whole(self):
+        """A reduction's group joins every group around it that one kernel can run with it, all at once, where the
+        model has that kernel beating them apart, the host's time to issue each launch counted (cost.host_bound).
+        Merged pair by pair, a norm over fewer rows than processors, each row looped over, was split into pieces
+        and eager reductions: each merge was charged the few programs' GPU time, while the launches the whole
+        saves came one at a time (layer_norm over [1, 128256] bf16, H200 runs 218-219: 3 launches 0.07-0.13 ms,
+        one kernel 0.045, Inductor 0.041; softmax, log_softmax and RMSNorm alike, bench/few_rows.py).  Only for
+        reductions over fewer programs than processors, where the pairwise test splits them; elsewhere the
+        partition stays as the pairwise merges made it."""
+        for n in self.cg.nodes:
+            gid = self.group.get(n)
+            if gid is None or not isinstance(self.cg.info[n], ops.Reduction) or self.members[gid] & self.apart:
+                continue
+            region = self.region(self.members[gid])
+            if region is None or self.cost(region).programs >= NUM_SMS:
+                continue
+            parts = self.neighbourhood(gid)
+            if len(parts) > 1 and self.whole_pays(parts):
+                for other in parts[1:]:
+                    self.join(gid, other)
+
+    def neighbourhood(self, gid: int) -> list[int]:
+        """gid and the groups that feed it or read it, transitively, that one kernel can run with it (one space,
+        no cycle, no sealed reduction read, no node of a region codegen refused), in the order found."""
+        parts, nodes, todo = [gid], set(self.members[gid]), [gid]
+        while todo:
+            for other in self._adjacent(self.members[todo.pop()]):
+                theirs = self.members[other]
+                if other in parts or theirs & self.apart or self.region(nodes | theirs) is None \
+                        or self.creates_cycle(nodes, theirs) or self.reads_sealed(nodes | theirs) is not None:
+                    continue
+                parts.append(other)
+                nodes |= theirs
+                todo.append(other)
+        return parts
+
+    def _adjacent(self, nodes: set) -> list[int]:
+        """The groups of the nodes that `nodes` read or are read by, in graph order."""
+        near = {x for n in nodes for x in (*self.cg.data_inputs(n), *self.cg.consumers(n)) if x not in nodes}
+        near |= {n.args[0] for n in nodes if n.target is operator.getitem and n.args[0] not in nodes}
+        near = sorted((x for x in near if x in self.group), key=self.cg.order.__getitem__)
+        return list(dict.fromkeys(self.group[x] for x in near))
+
+    def whole_pays(self, parts: list[int]) -> bool:
+        """Whether the groups as one kernel beat them as partition() would run them apart."""
+        region = self.region(set().union(*(self.members[g] for g in parts)))
+        if region is None or region.looped_argmax:
+            return False
+        gpu, kernels, eager = (sum(t) for t in zip(*(self.as_run(self.members[g]) for g in parts)))
+        return host_bound(self.cost(region).time_fused(), 1, 0) < host_bound(gpu, kernels, eager)
 
     def long_argmax(self, n) -> bool:
         """An argmax or argmin whose row length is symbolic and may pass what one block holds: its region

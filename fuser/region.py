@@ -154,8 +154,18 @@ class Region:
         """A reduction that keeps the innermost dim, at least COLUMN_MIN_WIDTH wide (narrower, a tile's
         rows would not fill a line either, and fewer programs would run): see COLUMN_PERSISTENT_MAX_R.
         argmax and argmin keep the row layout (the looped kernel does not lower them)."""
-        return self.space.column and self.cg.sizes.hint(self.space.full[-1]) >= COLUMN_MIN_WIDTH and not any(
-            _is_reduction(self.cg, n) and self.cg.info[n].combine in ("argmax", "argmin") for n in self.nodes)
+        return self.space.column and not self.arg_reduction \
+            and self.cg.sizes.hint(self.space.full[-1]) >= COLUMN_MIN_WIDTH
+
+    @cached_property
+    def arg_reduction(self) -> bool:
+        """Holds an argmax or argmin, which only the persistent row kernel lowers."""
+        return any(_is_reduction(self.cg, n) and self.cg.info[n].combine in ("argmax", "argmin") for n in self.nodes)
+
+    @property
+    def looped_argmax(self) -> bool:
+        """An argmax or argmin over rows longer than registers hold: codegen has no looped form of them."""
+        return self.arg_reduction and not self.persistent
 
     # -- reduction levels: which loop computes what (shared by the cost model and codegen) --
 
