@@ -118,7 +118,7 @@ def sweep_backward(name, b, hq, hkv, s, d, variant, dv=None):
     torch._dynamo.reset()
     fused = torch.compile(eager, backend="fuser", options={"attention": "triton"})
     plan = attention_bwd.attention_bwd_plan
-    shipped = plan(d, torch.bfloat16, True)
+    shipped = plan(d, torch.bfloat16, True, head_dim_v=dv)
 
     def timed(pair):
         attention_bwd.attention_bwd_plan = lambda *a, **kw: pair

@@ -620,8 +620,8 @@ def prepare(q, k, v, extras=(), *, mod: ScoreMod, scale: float = 1.0, return_lse
         raise TypeError("attention: q, k, v must share a dtype")
     if len(extras) != mod.n_extra:
         raise ValueError(f"attention: score mod wants {mod.n_extra} extra tensor(s), got {len(extras)}")
-    block_m, block_n, num_warps, num_stages = attention_plan(max(D, v.shape[-1]), q.dtype, q.is_cuda,
-                                                             listed=bool(mod.data_mask))
+    block_m, block_n, num_warps, num_stages = attention_plan(D, q.dtype, q.is_cuda, listed=bool(mod.data_mask),
+                                                             head_dim_v=v.shape[-1])
     # fp32 inputs: tf32 only where torch's matmul would use it too; 16-bit inputs ignore it (tf32 is Triton's default).
     ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     if out is None:

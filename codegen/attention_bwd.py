@@ -282,9 +282,7 @@ def prepare_bwd(q, k, v, out, dout, lse, extras=(), *, mod: ScoreMod, scale: flo
     `seed`: the forward's dropout seed, for kernels made with dropout.  `lists_cache`: see attention._extra_args."""
     B, Hq, M, D = q.shape
     Hkv, N, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    kv_plan, q_plan = attention_bwd_plan(max(D, Dv), q.dtype, q.is_cuda)
-    if mod.data_mask:  # the lists are made for one tile shape
-        kv_plan = q_plan
+    kv_plan, q_plan = attention_bwd_plan(D, q.dtype, q.is_cuda, head_dim_v=Dv, listed=bool(mod.data_mask))
     block_d = max(16, next_pow2(Dv))  # delta's tiles: O's and dO's
     delta = torch.empty((B, Hq, M), dtype=torch.float32, device=q.device)
     rows = min(64, 4096 // block_d) if q.is_cuda else 16  # O's and dO's tiles: 4096 fp32 values each at most

@@ -15,6 +15,7 @@ from .region import persistent_at
 
 
 NUM_SMS = 132  # programs needed to keep every SM of an H100 / H200 busy
+SHARED_MEMORY = 227 * 1024  # bytes of shared memory a Hopper block may take
 
 
 def next_pow2(n: int) -> int:
@@ -88,8 +89,10 @@ class TensorSig:
         return TensorSig(tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def attention_plan(head_dim: int, dtype, on_gpu: bool, listed: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); `listed`: the kernel walks a data mask's tile lists.
+def attention_plan(head_dim: int, dtype, on_gpu: bool, listed: bool = False,
+                   head_dim_v: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); `listed`: the kernel walks a data mask's tile lists; `head_dim_v`:
+    V's head dim where it differs from Q's and K's (`head_dim`).
 
     GPU: the fastest of sweeps (bench/attention_tiles.py, scratch sweeps of runs 50-51); every pick fits Hopper's
     227 KiB of shared memory.  16-bit D128, tiles computed from the structure (causal, soft-cap, ALiBi, no mask,
@@ -99,22 +102,29 @@ def attention_plan(head_dim: int, dtype, on_gpu: bool, listed: bool = False) -> 
     for 128x64, 8 warps, which won H100's run 20 on a chain with no score mod).  fp32 dots are IEEE, on FMA
     units rather than tensor cores, so they want tiles small enough to keep the fp32 accumulator in registers
     (larger ones spill: 128x32 at D=128 ran 14x slower).
+    16-bit past D128: 128x64, 8 warps, as many stages (up to 3) as shared memory holds: MLA's q/k 192 (padded to
+    256), v 128 (H200 run 222): 3 stages 0.99 ms against 2 stages' 1.17 (FlexAttention 1.21); D256: 2 stages.
     CPU (interpreter): small tiles keep the numpy emulation fast and still exercise several blocks.
     """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if not on_gpu:
         return 16, 16, 1, 1
+    widest = max(head_dim, head_dim_v)
     if dtype == torch.float32:
-        if head_dim <= 64:
+        if widest <= 64:
             return 128, 32, 4, 2
-        return (32, 64, 4, 2) if head_dim <= 128 else (32, 32, 4, 2)
-    if head_dim <= 64:
+        return (32, 64, 4, 2) if widest <= 128 else (32, 32, 4, 2)
+    if widest <= 64:
         return 64, 64, 4, 3
-    if head_dim <= 128:
+    if widest <= 128:
         return (128, 64, 8, 3) if listed else (64, 64, 4, 3)
-    return 128, 64, 8, 2
+    bd, bdv = next_pow2(head_dim), next_pow2(head_dim_v)
+    stages = 3 if 3 * 64 * (bd + bdv) * 2 + 128 * bd * 2 <= SHARED_MEMORY else 2  # K and V tiles a stage, Q's tile
+    return 128, 64, 8, stages
 
 
-def attention_bwd_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[tuple, tuple]:
+def attention_bwd_plan(head_dim: int, dtype, on_gpu: bool, head_dim_v: int | None = None,
+                       listed: bool = False) -> tuple[tuple, tuple]:
     """((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, that of the dQ kernel): the dK/dV kernel
     owns BLOCK_N keys and walks the queries BLOCK_M at a time, the dQ kernel the other way round (over a data
     mask's tile lists, made for one tile shape, both take the dQ kernel's).  Run 120 (H200, ALiBi and window,
@@ -123,12 +133,22 @@ def attention_bwd_plan(head_dim: int, dtype, on_gpu: bool) -> tuple[tuple, tuple
     4 warps, 2 stages won sweeps of 6-8 shared configs (H100 run 24: soft-cap 5.02 ms a step against 5.88 with 3
     stages; H200 run 51: soft-cap and a padding mask's lists, 128x64 8 warps within 7% on dK/dV, 30% slower on
     dQ); D64 64x64, 4 warps, 3 stages (H200 runs 50-51: 0.46 ms of dK/dV + dQ over lists against 0.73 for the
-    forward's old 128x64, 8 warps).  Other head dims and dtypes take the forward's plan until swept."""
-    if on_gpu and dtype != torch.float32 and head_dim <= 128:
-        cfg = (64, 64, 4, 2) if head_dim > 64 else (64, 64, 4, 3)
-    else:
-        cfg = attention_plan(head_dim, dtype, on_gpu)
-    return cfg, cfg
+    forward's old 128x64, 8 warps).  Past D128 (H200 run 223, MLA's q/k 192, v 128, causal, a step): dK/dV 64x32, 4
+    warps, 2 stages, dQ 128x64, 8 warps, 2 stages, 4.99 ms (FlexAttention 7.43; 64x64 both 8.28; dK/dV at 128x64
+    asks 258 KiB of shared memory), dQ 64x64 where its 128-row tiles would not fit (D256).  `listed`: the two
+    kernels share one tile shape (a data mask's lists are made for one): past D128 64x64, which fits both.  fp32
+    takes the forward's plan."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    widest = max(head_dim, head_dim_v)
+    if not on_gpu or dtype == torch.float32:
+        cfg = attention_plan(head_dim, dtype, on_gpu, head_dim_v=head_dim_v)
+        return cfg, cfg
+    if widest <= 128 or listed:
+        cfg = (64, 64, 4, 3) if widest <= 64 else (64, 64, 4, 2)
+        return cfg, cfg
+    dims = next_pow2(head_dim) + next_pow2(head_dim_v)
+    fits = 2 * 64 * dims * 2 + 128 * dims * 2 <= SHARED_MEMORY  # K, V tiles over 2 stages; Q's and dO's
+    return (64, 32, 4, 2), (128, 64, 8, 2) if fits else (64, 64, 4, 2)
 
 
 EMBEDDING_PARTIAL_BYTES = 1 << 20

@@ -340,7 +340,8 @@ def test_backward_matches_eager_fp64(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D,Dv,Hkv,causal", [(48, 32, 2, True), (24, 40, 1, False), (40, 40, 4, True)])
+@pytest.mark.parametrize("D,Dv,Hkv,causal", [(48, 32, 2, True), (24, 40, 1, False), (40, 40, 4, True), (192, 128, 2, True),
+                                             (256, 256, 1, False)])
 def test_v_head_dim_of_its_own_forward_and_backward(dtype, D, Dv, Hkv, causal):
     """MLA (DeepSeek-V2/V3: Q and K at 192, V at 128): V's head dim is its own, the output's is V's; padded
     dims on either side, GQA, a score mod, odd lengths; the forward's LSE and the three gradients."""
