@@ -340,6 +340,16 @@ def probability_dropout(x: str, dropout: float) -> str:
     return dropout_expr(x, "seed", "(bh.to(tl.int64) * M + q_idx) * N + k_idx", dropout, 0)
 
 
+def refusal(dtype, head_dim, head_dim_v) -> str | None:
+    """Why the kernels do not take q of `dtype` and these head dims (sizes: ints or sympy expressions), or None."""
+    dims = (head_dim, head_dim_v)
+    if not all(getattr(d, "is_Integer", isinstance(d, int)) for d in dims):
+        return f"a head dim that varies between calls ({dims}: the kernel is made for static head dims)"
+    if dtype not in _TL_DTYPE or not all(0 < int(d) <= 256 for d in dims):
+        return f"{dtype} q with head dims {tuple(map(int, dims))} (the kernel takes 16- and 32-bit floats, head dims up to 256)"
+    return None
+
+
 def check_head_dims(head_dim: int, head_dim_v: int) -> None:
     """The head dims the kernels take: Q's and K's, and V's, each 1..256 (a tile of each lives in registers)."""
     for name, d in (("head_dim", head_dim), ("V's head_dim", head_dim_v)):

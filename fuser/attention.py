@@ -32,5 +32,5 @@ def flash_attention(q, k, v, *, scale: float, mod: ScoreMod = ScoreMod(()), extr
     if dropout and seed is None:
         seed = new_seed(q.device)
     out, stats = flash_attention_op(q, k, v, list(extras), float(scale), register_mod(mod), float(dropout),
-                                    [seed] if dropout else [], -1, [], False)
+                                    [seed] if dropout else [], -1, [], False, [])
     return (out, stats[0] + stats[1]) if return_lse else out  # the row maximum plus the log of the row's sum

@@ -173,15 +173,16 @@ def _taken(out: torch.Tensor):
 @torch.library.custom_op("fuser::flash_attention", mutates_args=())
 def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: list[torch.Tensor],
                        scale: float, mod: str, dropout: float, seeds: list[torch.Tensor], site: int,
-                       sources: list[torch.Tensor], keep_lists: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       sources: list[torch.Tensor], keep_lists: bool, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(mod(q @ k^T * scale)) @ v, and [2, B, H, M]: each row's maximum score and the log of its
     sum of exponentials (kept apart for the backward; their sum is the log-sum-exp).  `site` >= 0: a call
     site whose data mask is made from `sources` (parameters, buffers), checked at run time (module doc).
     `keep_lists`: the data mask is an input of the calling graph, whose buffers the graph's program never
-    writes over, so its tile lists may be kept for the calls after (runtime.lists_cache)."""
+    writes over, so its tile lists may be kept for the calls after (runtime.lists_cache).  `sizes`: a site
+    whose data mask is made from these sizes alone (aranges at symbolic lengths), checked once per set of them."""
     seed = _check_dropout(q, dropout, seeds)
     m = _MODS[mod]
-    taken = _take(q, k, v, extras, m, dropout, site, sources, scale)
+    taken = _take(q, k, v, extras, m, dropout, site, sources or list(sizes), scale)
     if taken is not None and taken[0] == "sdpa":
         _, s, backend = taken
         if backend == _FLASH:
@@ -201,7 +202,7 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, extras, scale, mod, dropout, seeds, site, sources, keep_lists):
+def _(q, k, v, extras, scale, mod, dropout, seeds, site, sources, keep_lists, sizes):
     _check_dropout(q, dropout, seeds)
     return _out_like(q, v), q.new_empty((2, *q.shape[:3]), dtype=torch.float32)
 
@@ -246,7 +247,8 @@ def _(dout, q, k, v, out, lse, extras, scale, mod, dropout, seeds, keep_lists):
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, extras, scale, mod, dropout, seeds, _, sources, keep_lists = inputs
+    q, k, v, extras, scale, mod, dropout, seeds, _, sources, keep_lists, sizes = inputs
+    ctx.sizes = None if sizes else []  # its "gradient" as the autograd glue flattens it: ints a leaf, none a list
     ctx.save_for_backward(q, k, v, output[0], output[1], *seeds, *extras)  # the seed, never the dropout mask
     ctx.scale, ctx.mod, ctx.dropout, ctx.n_seeds, ctx.n_sources = scale, mod, dropout, len(seeds), len(sources)
     ctx.keep_lists = keep_lists
@@ -260,7 +262,7 @@ def _backward(ctx, dout, _dlse):
     dextras = [None] * len(extras)
     for (i, _), g in zip(_MODS[ctx.mod].bias_grads, learned):
         dextras[i] = g
-    return dq, dk, dv, dextras, None, None, None, [None] * len(seeds), None, [None] * ctx.n_sources, None
+    return dq, dk, dv, dextras, None, None, None, [None] * len(seeds), None, [None] * ctx.n_sources, None, ctx.sizes
 
 
 flash_attention_op.register_autograd(_backward, setup_context=_setup)

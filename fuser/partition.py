@@ -34,8 +34,9 @@ ALONE_MARGIN = 1.25  # a lone op runs as our kernel only where the model has it 
 class Partitioner:
     def __init__(self, graph: fx.Graph, supported: Callable[[fx.Node], bool] | None = None,
                  cg: ComputeGraph | None = None, sealed: frozenset = frozenset(), first_id: int = 0,
-                 apart: frozenset = frozenset()):
+                 apart: frozenset = frozenset(), launch_host: bool = True):
         self.cg = cg or ComputeGraph(graph)
+        self.launch_host = launch_host  # launches cost host time (cost.host_bound); not under CUDA graphs
         self.supported = supported or (lambda n: True)
         self.sealed, self.first_id = sealed, first_id  # first_id: the id of the first region made
         self.apart = apart  # nodes of a region codegen refused: no sibling joins their groups (the pipeline)
@@ -248,8 +249,12 @@ class Partitioner:
     def pays(self, region: Region, nodes) -> bool:
         """Whether the group's one kernel beats its ops run eagerly, each a launch the host issues."""
         eager = sum(n.target is not operator.getitem for n in nodes)
-        fused = host_bound(self.cost(region).time_fused(), 1, 0)
-        return fused < host_bound(sum(self.eager(n) for n in nodes), 0, eager)
+        return self.host_bound(self.cost(region).time_fused(), 1, 0) < \
+            self.host_bound(sum(self.eager(n) for n in nodes), 0, eager)
+
+    def host_bound(self, gpu_s: float, kernels: int, eager_ops: int) -> float:
+        """cost.host_bound where launches cost host time, else the GPU's time (CUDA graphs replay them)."""
+        return host_bound(gpu_s, kernels, eager_ops) if self.launch_host else gpu_s
 
     def as_run(self, nodes) -> tuple[float, int, int]:
         """(modelled GPU seconds, kernels of ours, eager ops) of a group as partition() runs it: one kernel where
@@ -310,7 +315,7 @@ class Partitioner:
         if region is None or region.looped_argmax:
             return False
         gpu, kernels, eager = (sum(t) for t in zip(*(self.as_run(self.members[g]) for g in parts)))
-        return host_bound(self.cost(region).time_fused(), 1, 0) < host_bound(gpu, kernels, eager)
+        return self.host_bound(self.cost(region).time_fused(), 1, 0) < self.host_bound(gpu, kernels, eager)
 
     def long_argmax(self, n) -> bool:
         """An argmax or argmin whose row length is symbolic and may pass what one block holds: its region

@@ -65,11 +65,11 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     cg = ComputeGraph(gm.graph)
     # our kernel reads every operand on the query's device (a CPU scale tensor of Dynamo's is not)
     found = find(gm.graph, cg) if attention else []
-    attentions = [a for a in found if _one_device(a)]
-    for a in found:
-        if a not in attentions:
-            why = not_sdpa.get(a.out, "dropout, or operands on several devices")
-            report.notes.append(f"attention at {a.out.name} left to its ops (not SDPA, not our kernel): {why}")
+    refused = {a: why for a in found if (why := _not_ours(a)) is not None}
+    attentions = [a for a in found if a not in refused]
+    for a, why in refused.items():
+        why = f"{not_sdpa[a.out]}; {why}" if a.out in not_sdpa else why
+        report.notes.append(f"attention at {a.out.name} left to its ops (not SDPA, not our kernel): {why}")
     taken = {n for a in attentions for n in a.nodes}
     unrolled = unroll_small_sums(gm, taken)
     if unrolled:
@@ -94,7 +94,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         cg = ComputeGraph(gm.graph)  # its P @ V (a region after it reads it as the kernel writes it)
         for a in attentions:
             cg.info[a.out] = ops.Opaque("an attention kernel's output")
-    part, emitted = _emit_regions(gm, cg, taken)
+    part, emitted = _emit_regions(gm, cg, taken, launch_host=not cuda_graphs)
     for region, kernel, cost in emitted:
         try:
             bound[region] = bind_sizes(gm.graph, kernel.symbols, made)
@@ -166,7 +166,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
 MAX_PASSES = 8  # partitions of one graph at most (then a refused region goes to eager, with codegen's reason)
 
 
-def _emit_regions(gm, cg, taken: set):
+def _emit_regions(gm, cg, taken: set, launch_host: bool = True):
     """Partition the graph and emit each region's kernel: (the partitioner, [(region, kernel, cost)]).
     A region codegen refuses because a member reads a reduction's result where one kernel cannot (at
     another row, or inside the reduction's own loop: GQA's sum over the query heads sharing a K,
@@ -175,14 +175,14 @@ def _emit_regions(gm, cg, taken: set):
     kernels of their own (one more pass for all the layers of a model).  Kernels are kept by their
     node sets across passes (emitted once; named by region ids that never repeat across passes); a
     region refused otherwise, or in the last pass, is left out, and its nodes give the partitioner's
-    reason or codegen's."""
+    reason or codegen's.  `launch_host`: launches cost host time (not so under CUDA graphs: cost.host_bound)."""
     emitted: dict = {}  # frozenset of nodes -> (region, kernel, cost) or the CodegenError
     sealed: frozenset = frozenset()
     apart: frozenset = frozenset()  # nodes of refused regions: no sibling joins them in the next pass
     first_id = 0
     for last in [False] * (MAX_PASSES - 1) + [True]:
         part = Partitioner(gm.graph, supported=lambda n: n not in taken, cg=cg, sealed=sealed, first_id=first_id,
-                           apart=apart)
+                           apart=apart, launch_host=launch_host)
         regions = part.partition()
         first_id += len(regions)
         out, seal, refused = [], set(), set()
@@ -233,10 +233,17 @@ def _narrow_extras(att, mod, kernel: AttentionKernel) -> None:
     kernel.in_shapes = tuple(shape(n) for n in att.inputs)
 
 
-def _one_device(a) -> bool:
-    """Our kernel takes the unit: its operands on the query's device, no dropout (not written), and
-    not SDPA's math path (fully masked rows give 0 there, NaN in our kernel, as eager's softmax)."""
-    return not a.dropout and not a.safe and all(meta(n).device == meta(a.q).device for n in a.inputs)
+def _not_ours(a) -> str | None:
+    """Why our kernel does not take the unit, or None: its operands on the query's device, no dropout (not
+    written), not SDPA's math path (fully masked rows give 0 there, NaN in our kernel, as eager's softmax), and
+    the dtypes and head dims it is made for."""
+    if a.dropout:
+        return "dropout (our inference kernel draws none)"
+    if a.safe:
+        return "SDPA's math path (fully masked rows give 0)"
+    if any(meta(n).device != meta(a.q).device for n in a.inputs):
+        return "operands on several devices"
+    return attention_codegen.refusal(meta(a.q).dtype, shape(a.q)[-1], shape(a.v)[-1])
 
 
 def _lower_to_sdpa(gm: fx.GraphModule, graph_index: int, report: FusionReport, static: tuple | None) -> dict:

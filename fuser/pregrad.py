@@ -38,6 +38,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
 from fuser.codegen import sdpa
+from fuser.codegen.attention import refusal
 from fuser.codegen.score_mod import plain_scale, score_mod
 from fuser.graph import ComputeGraph, meta, replace_output, shape
 from fuser.patterns import cross_entropy
@@ -155,11 +156,12 @@ class _Quiet(logging.Filter):
         return False
 
 
-def _trace(gm: fx.GraphModule, decomposed: list, values: list) -> fx.GraphModule:
+def _trace(gm: fx.GraphModule, decomposed: list, values: list, pinned: list | None = None) -> fx.GraphModule:
     """make_fx of gm with `decomposed` decomposed; where an op's C++ kernel takes no symbolic sizes (constant_pad_nd
     by amounts computed from sizes: Swin's window padding at symbolic sizes), traced again under the Python
     dispatcher, as AOT Autograd traces, whose Python reference takes them.  Not under it from the start: it
-    sends SDPA's masked fake kernel to a C++ kernel that takes no symbolic sizes (bench/notes.md, run 152)."""
+    sends SDPA's masked fake kernel to a C++ kernel that takes no symbolic sizes (bench/notes.md, run 152).
+    `pinned`: the SDPA kernels the trace pins (sdpa_calls.pinned_kernels), emptied before the second trace."""
     table = get_decompositions(decomposed)
     quiet, fake_log = _Quiet(), logging.getLogger("torch._subclasses.fake_tensor")
     fake_log.addFilter(quiet)
@@ -171,6 +173,8 @@ def _trace(gm: fx.GraphModule, decomposed: list, values: list) -> fx.GraphModule
             raise
     finally:
         fake_log.removeFilter(quiet)
+    if pinned is not None:
+        pinned.clear()
     with enable_python_dispatcher():
         return make_fx(gm, decomposition_table=table)(*values)
 
@@ -193,7 +197,8 @@ def claim(gm: fx.GraphModule, example_inputs, attention: bool | str = True, loss
     values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
     mode = next(v.fake_mode for v in values if isinstance(v, FakeTensor))
     with mode, pinned_kernels() as pinned:
-        traced = _trace(pin_sdpa(gm) if attention else gm, [aten._softmax, aten._safe_softmax, aten.dropout], values)
+        traced = _trace(pin_sdpa(gm) if attention else gm, [aten._softmax, aten._safe_softmax, aten.dropout], values,
+                        pinned)
     if wanted == "SDPA's kernel" and not pinned:
         return gm, []  # SDPA calls alone, none the trace would take otherwise than eager: Dynamo's graph as is
     traced.graph.eliminate_dead_code()  # softmax's detached copy of its output (saved for autograd)
@@ -255,6 +260,11 @@ def _claim_attention(traced: fx.GraphModule, example_inputs, ours_only: bool = F
     static = _static(traced.graph, example_inputs)
     for a in find(traced.graph, cg):
         a = resolved(a)  # its operands as the claims before it left them
+        if any(sdpa.size_sources(e) for e in a.extras):  # a mask from sizes alone: its structure found at run time
+            why, how = _claim_for_our_kernel(traced, a, cg, learned, static)
+            if why is None:
+                notes.append(f"attention claimed before autograd (our op, a mask of sizes alone at symbolic lengths){how}")
+                continue
         if any(e in data and e not in learned for e in a.extras):  # a learned bias goes to SDPA where it can, else ours
             # A data mask (padding, say) can mask a row's every key with a finite fill, where eager's probabilities
             # are uniform: SDPA's backward recomputes them from a log-sum-exp that lost them (-1e36 + log N rounds
@@ -424,11 +434,9 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set,
         return "SDPA's math path (fully masked rows give 0)", ""
     if any(meta(n).device != meta(a.q).device for n in a.inputs):
         return "operands on several devices", ""
-    dtype, dims = meta(a.q).dtype, (shape(a.q)[-1], shape(a.v)[-1])  # integers: normalize_attention fixes symbolic ones
-    if not all(d.is_Integer for d in dims):
-        return f"a head dim that varies between calls ({dims}: the kernel is made for static head dims)", ""
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or max(dims) > 256:
-        return f"{dtype} q with head dims {dims} (the kernel takes 16- and 32-bit floats, head dims up to 256)", ""
+    why = refusal(meta(a.q).dtype, shape(a.q)[-1], shape(a.v)[-1])  # integers: normalize_attention fixes symbolic ones
+    if why is not None:
+        return why, ""
     try:
         with target(meta(a.q).device.type):
             mod = score_mod(a.scores, a.chain, a.extras, cg, mask_structure(a, cg), extra_forms(a),
@@ -445,14 +453,16 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set,
         extras = [what_the_kernel_reads(gm.graph, e, mod.form(i)) for i, e in enumerate(a.extras)]
         seeds = [_draw_seed(gm.graph, meta(a.q).device)] if a.dropout else []  # a seed per site: counters from 0
         sources = sdpa.mask_sources(a.extras[mod.data_mask[0]]) if mod.data_mask else []
+        sizes = sdpa.size_sources(a.extras[mod.data_mask[0]]) if mod.data_mask and not sources else []
         site, flash = -1, None
-        if sources and set(sources) <= static:  # nanoGPT's causal buffer, Mistral's window: checked at run time
+        if sources and set(sources) <= static or sizes:  # nanoGPT's causal buffer, Mistral's window, a causal mask
+            # from aranges at symbolic lengths: checked at run time (a mask of sizes alone once per set of sizes)
             flash = plain_scale(a.scores, a.chain, a.extras, mod.data_mask[0]) if not a.dropout else None
             site = register_site(flash)
         call = gm.graph.call_function(flash_attention_op._opoverload,
                                       (a.q, a.k, a.v, extras, 1.0, register_mod(mod), float(a.dropout), seeds, site,
-                                       sources if site >= 0 else [],
-                                       bool(mod.data_mask) and _viewed_input(a.extras[mod.data_mask[0]])))
+                                       sources if site >= 0 and not sizes else [],
+                                       bool(mod.data_mask) and _viewed_input(a.extras[mod.data_mask[0]]), sizes))
         out = gm.graph.call_function(operator.getitem, (call, 0))
         if meta(a.out).dtype != meta(a.q).dtype:
             out = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (out, meta(a.out).dtype))
@@ -463,7 +473,9 @@ def _claim_for_our_kernel(gm: fx.GraphModule, a, cg: ComputeGraph, learned: set,
             gm.graph.erase_node(n)
     kind = mod.data_mask and str(mod.data_mask[2]).removeprefix("torch.")
     if site >= 0:
-        return None, (f"; its {kind} mask, made from parameters and buffers, checked at run time: where causal or a "
+        made = "sizes alone, checked at run time once per set of sizes" if sizes else \
+            "parameters and buffers, checked at run time"
+        return None, (f"; its {kind} mask, made from {made}: where causal or a "
                       f"window, {'SDPA (causal) or ' if flash is not None else ''}our kernel made for that structure; else "
                       "the tiles it masks whole skipped, listed per call")
     return None, f"; the tiles its {kind} mask masks whole skipped, listed per call" if kind else ""

@@ -713,6 +713,28 @@ def test_mla_value_head_dim_of_its_own(lowering, form, hkv, device):
     assert r.output_shapes == [f"[2, 3, 37, 32] {str(q.dtype).removeprefix('torch.')}"], r.output_shapes
 
 
+@pytest.mark.parametrize("dims", [(64, 320), (320, 64)])
+def test_a_head_dim_past_the_kernels_leaves_that_attention_alone(dims, device):
+    """A head dim our kernels do not take (past 256), where SDPA cannot express the chain either: that
+    attention stays with its ops, with the reason, and the rest of the graph still fuses (the kernel's
+    ValueError had sent the whole graph to eager; found by review)."""
+    torch.manual_seed(16)
+    d, dv = dims
+    q, k = torch.randn(1, 2, 37, d, device=device), torch.randn(1, 2, 45, d, device=device)
+    v, x = torch.randn(1, 2, 45, dv, device=device), torch.randn(1000, device=device)
+
+    def f(q, k, v, x):
+        s = 30 * torch.tanh(q @ k.transpose(-1, -2) * 0.125 / 30)
+        return torch.softmax(s, -1) @ v, torch.nn.functional.gelu(x * 2 + 1)
+
+    fused = fuser.fuse(f)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(q, k, v, x), f(q, k, v, x), **TOL[torch.float32])
+    assert not fused.report.all_fallbacks, fused.report.all_fallbacks
+    assert "pointwise" in [r.kind for r in fused.report.regions]
+    assert any("left to its ops" in n and "head dims up to 256" in n for n in fused.report.notes), fused.report.notes
+
+
 @pytest.mark.parametrize("form", ["causal", "soft-cap + causal"])
 def test_mla_trains(form, device):
     """MLA in training: claimed before autograd (SDPA, or our kernel and its backward), gradients of q, k
@@ -883,6 +905,33 @@ def test_a_causal_mask_from_aranges_at_symbolic_lengths_is_recognised_at_run_tim
     assert calls == [(0, None), (0, None), (0, 4)], calls  # lengths 17, 33, 21: once each (12 static, no check)
     (r,) = _attention_regions(fused)
     assert "checked at run time" in r.source, r.source
+
+
+def test_a_causal_mask_from_aranges_at_symbolic_lengths_in_training(device):
+    """In training the same mask goes to our op claimed before autograd, its structure checked at run time once
+    per length (SDPA's flash kernel where it is causal on the GPU, our kernel made for the structure else; it had
+    run SDPA's masked kernel, the T x T mask read forward and backward); gradients as eager's."""
+    from fuser import attention_op
+
+    def attn(q, k, v):
+        i = torch.arange(q.shape[2], device=q.device)
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        return torch.softmax(s.masked_fill(i[None, :] > i[:, None], float("-inf")), -1) @ v
+
+    torch.manual_seed(15)
+    compiled = torch.compile(attn, backend="fuser", dynamic=True)
+    before, sites = len(fuser.reports()), len(attention_op._SITES)
+    for n in (12, 17, 33, 17):
+        q, k, v = (x.requires_grad_() for x in _qkv(device, m=n, n=n))
+        w = torch.randn(q.shape, device=device)
+        got = torch.autograd.grad((compiled(q, k, v).float() * w).sum(), (q, k, v))
+        want = torch.autograd.grad((attn(q, k, v).float() * w).sum(), (q, k, v))
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, **TOL[q.dtype])
+    notes = [n for r in fuser.reports()[before:] for n in r.notes if n.startswith("attention")]
+    assert any("made from sizes alone, checked at run time" in n for n in notes), notes
+    (site,) = attention_op._SITES[sites:]
+    assert site.check.by_size == {(12,): (0, None), (17,): (0, None), (33,): (0, None)}, site.check.by_size
 
 
 def test_no_run_time_check_under_cuda_graphs(device):

@@ -671,7 +671,7 @@ def test_a_buffer_found_causal_at_run_time_runs_the_structured_or_sdpa_kernels(p
                                                             enable_gqa=groups > 1) != backend[0].value:
             pytest.skip(f"SDPA does not take {path} here")
         out, lse = attention_op.flash_attention_op(*xs, [buffer], 0.3 if path == "structured" else 1.0,
-                                                   attention_op.register_mod(mod), 0.0, [], site, [buffer], False)
+                                                   attention_op.register_mod(mod), 0.0, [], site, [buffer], False, [])
         taken = attention_op._taken(out)
         got = torch.autograd.grad((out * w).sum(), xs)
     assert taken[0] == ("structured" if path == "structured" else "sdpa"), taken
@@ -710,7 +710,7 @@ def test_kept_tile_lists_follow_the_mask_tensor():
     codegen_attention.list_launches = lambda *a: made.append(1) or real(*a)
 
     def run(mask):
-        out, _ = attention_op.flash_attention_op(q, k, v, [mask], 0.3, key, 0.0, [], -1, [], True)
+        out, _ = attention_op.flash_attention_op(q, k, v, [mask], 0.3, key, 0.0, [], -1, [], True, [])
         check(out, reference(q, k, v, 0.3, mod=lambda s, qi, ki: s + mask.double())[0], torch.float32)
         return len(made)
 
@@ -752,6 +752,6 @@ def test_backward_path_is_the_forward_output_storages():
                    data_mask=(0, "drop", torch.bool))
     site = attention_op.register_site(None)
     out, _ = attention_op.flash_attention_op(q, k, v, [buffer], 0.3, attention_op.register_mod(mod), 0.0, [], site,
-                                             [buffer], False)
+                                             [buffer], False, [])
     assert attention_op._taken(out)[0] == "structured"
     assert attention_op._taken(out.clone()) is None

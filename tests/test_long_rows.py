@@ -72,7 +72,7 @@ NORMS = {"layer_norm": layer_norm, "rms_norm": rms_norm, "rms_norm_by_hand": rms
 FEW_LONG_ROWS = [(1, 128256), (8, 50257), (64, 128256)]
 
 
-def _traced(fn, shape, device="cpu", backward=False):
+def _traced(fn, shape, device="cpu", backward=False, launch_host=True):
     """The graphs fuser partitions for fn over bf16 fake tensors of `shape` (forward, and backward by AOT's
     split; no kernel runs): [(graph, regions, unfused)]."""
     graphs = []
@@ -89,7 +89,7 @@ def _traced(fn, shape, device="cpu", backward=False):
             y.backward(torch.empty_like(y))
     out = []
     for gm in graphs:
-        part = Partitioner(gm.graph)
+        part = Partitioner(gm.graph, launch_host=launch_host)
         regions = part.partition()
         out.append((gm, regions, [str(n.target) for n, _ in part.unfused(regions)]))
     return out
@@ -119,6 +119,15 @@ def test_a_norm_over_few_long_rows_is_one_kernel(name, shape, trace_device):
         assert f"aten._{name}.default" in eager, eager
     else:
         assert len(regions) == 1 + (name == "rms_norm" and shape[0] == 64) and not eager, (regions, eager)
+
+
+def test_under_cuda_graphs_launches_cost_no_host_time():
+    """Under CUDA graphs the replay issues the launches, not the host: the cost model weighs GPU time alone, and
+    there layer_norm over one long row is modelled faster split (one kernel's single program against pieces over
+    many programs); with the host's launches counted, one kernel."""
+    ((_, _, left),) = _traced(layer_norm, (1, 128256), "cuda", launch_host=False)
+    ((_, whole, eager),) = _traced(layer_norm, (1, 128256), "cuda")
+    assert len(whole) == 1 and not eager and left, (whole, left)  # split: some of it left to eager ops
 
 
 @pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "rms_norm_by_hand", "softmax", "log_softmax"])
