@@ -934,6 +934,30 @@ def test_a_causal_mask_from_aranges_at_symbolic_lengths_in_training(device):
     assert site.check.by_size == {(12,): (0, None), (17,): (0, None), (33,): (0, None)}, site.check.by_size
 
 
+def test_hf_llama_training_at_varying_lengths_checks_its_mask_at_run_time(device):
+    """Hugging Face's LLaMA (eager attention, no attention_mask) in training at a second length: its additive
+    causal mask, built from aranges at the symbolic length, goes to our op with its structure checked per length;
+    the loss and every gradient as eager's."""
+    from fuser import attention_op
+    torch.manual_seed(17)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="eager")).to(device).train()  # fp32: the mask's path is the point
+    compiled = torch.compile(model, backend="fuser")
+    before, sites = len(fuser.reports()), len(attention_op._SITES)
+    tol = dict(atol=1e-4, rtol=1e-3) if device == "cpu" else dict(atol=2e-3, rtol=2e-2)
+    for t in (13, 21):  # the second length recompiles with it symbolic
+        ids = torch.randint(0, 97, (2, t), device=device)
+        got, want = compiled(ids, labels=ids).loss, model(ids, labels=ids).loss
+        torch.testing.assert_close(got, want, **tol)
+        for (name, _), g, r in zip(model.named_parameters(), torch.autograd.grad(got, list(model.parameters())),
+                                   torch.autograd.grad(want, list(model.parameters()))):
+            torch.testing.assert_close(g, r, **tol, msg=name)
+    notes = [n for r in fuser.reports()[before:] for n in r.notes if n.startswith("attention")]
+    assert any("made from sizes alone, checked at run time" in n for n in notes), notes
+    assert [s.check.by_size for s in attention_op._SITES[sites:]] == [{(21,): (0, None)}]
+
+
 def test_no_run_time_check_under_cuda_graphs(device):
     """A replayed CUDA graph cannot branch on a value: the mask is then always applied as given."""
     torch.manual_seed(14)
