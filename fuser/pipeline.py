@@ -64,7 +64,7 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     shared = share_kv_heads(gm)
     cg = ComputeGraph(gm.graph)
     # our kernel reads every operand on the query's device (a CPU scale tensor of Dynamo's is not)
-    found = find(gm.graph, cg) if attention else []
+    found = find(gm.graph, cg, report.notes) if attention else []
     refused = {a: why for a in found if (why := _not_ours(a)) is not None}
     attentions = [a for a in found if a not in refused]
     for a, why in refused.items():

@@ -258,7 +258,7 @@ def _claim_attention(traced: fx.GraphModule, example_inputs, ours_only: bool = F
     learned = _needing_grad(traced.graph, example_inputs)
     data = _from_tensors(traced.graph)
     static = _static(traced.graph, example_inputs)
-    for a in find(traced.graph, cg):
+    for a in find(traced.graph, cg, notes):
         a = resolved(a)  # its operands as the claims before it left them
         if any(sdpa.size_sources(e) for e in a.extras):  # a mask from sizes alone: its structure found at run time
             why, how = _claim_for_our_kernel(traced, a, cg, learned, static)

@@ -230,8 +230,9 @@ def _ancestors(n, stop_before: int, cg: ComputeGraph) -> set:
     return seen
 
 
-def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
-    """The attention whose final matmul is `pv`, if the graph around it is one."""
+def match(pv: fx.Node, cg: ComputeGraph, notes: list | None = None) -> Attention | None:
+    """The attention whose final matmul is `pv`, if the graph around it is one.  `notes`: where a line goes for an
+    attention found whole but for its scores or probabilities read outside it (not a silent miss)."""
     if packet(pv) is not aten.bmm:
         return None
     users = list(pv.users)
@@ -298,8 +299,13 @@ def match(pv: fx.Node, cg: ComputeGraph) -> Attention | None:
             return None
     core = [qk, scores, *chain, *soft, *walked_p, pv, out]
     owned = set(core)
-    if any(u not in owned for n in core if n is not out for u in n.users):
-        return None  # the scores or probabilities are needed elsewhere (returned weights, say)
+    outside = sorted({u.name for n in core if n is not out for u in n.users if u not in owned})
+    if outside:  # the scores or probabilities are needed elsewhere (returned weights, say)
+        if notes is not None:
+            notes.append(f"attention at {out.name} left to its ops: its scores or probabilities are read outside it "
+                         f"({', '.join(outside[:4])}: returned attention weights, or saved for a backward), so the N x N matrix "
+                         "is made")
+        return None
     prep = walked_q + walked_k + walked_v
     changed = True
     while changed:  # the views and repeat_kv copies feeding the matmuls go too, where nothing else reads them
@@ -515,12 +521,13 @@ def _reaches_softmax(n, depth: int = 6) -> bool:
     return False
 
 
-def find(graph: fx.Graph, cg: ComputeGraph | None = None) -> list[Attention]:
+def find(graph: fx.Graph, cg: ComputeGraph | None = None, notes: list | None = None) -> list[Attention]:
+    """The attentions of the graph; `notes`: see match."""
     cg = cg or ComputeGraph(graph)
     found = []
     for n in graph.nodes:
         if n.op == "call_function" and n.target is not operator.getitem and packet(n) is aten.bmm:
-            a = match(n, cg)
+            a = match(n, cg, notes)
             if a is not None:
                 a.id = len(found)
                 found.append(a)
