@@ -303,7 +303,7 @@ def match(pv: fx.Node, cg: ComputeGraph, notes: list | None = None) -> Attention
     if outside:  # the scores or probabilities are needed elsewhere (returned weights, say)
         if notes is not None:
             notes.append(f"attention at {out.name} left to its ops: its scores or probabilities are read outside it "
-                         f"({', '.join(outside[:4])}: returned attention weights, or saved for a backward), so the N x N matrix "
+                         f"({', '.join(outside[:4])}: returned attention weights, or saved for autograd), so the N x N matrix "
                          "is made")
         return None
     prep = walked_q + walked_k + walked_v
