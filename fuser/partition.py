@@ -234,11 +234,12 @@ class Partitioner:
             region = self.region(nodes, self.first_id + len(regions))
             if region is None:
                 continue
-            if not own and not self.pays(region, nodes):
+            cost = self.cost(region)
+            if not own and not self.pays(cost, nodes):
                 for n in compute:
                     self.reasons[n] = "fusing its group would not pay by the cost model"
                 continue
-            self.costs[region] = self.cost(region)
+            self.costs[region] = cost
             regions.append(region)
         return regions
 
@@ -246,10 +247,10 @@ class Partitioner:
         """A lone compute node that runs as our kernel all the same."""
         return len(compute) == 1 and (compute[0].meta.get(OWN_KERNEL, False) or self.pays_alone(compute[0]))
 
-    def pays(self, region: Region, nodes) -> bool:
-        """Whether the group's one kernel beats its ops run eagerly, each a launch the host issues."""
+    def pays(self, cost: Cost, nodes) -> bool:
+        """Whether the group's one kernel (of cost `cost`) beats its ops run eagerly, each a launch the host issues."""
         eager = sum(n.target is not operator.getitem for n in nodes)
-        return self.host_bound(self.cost(region).time_fused(), 1, 0) < \
+        return self.host_bound(cost.time_fused(), 1, 0) < \
             self.host_bound(sum(self.eager(n) for n in nodes), 0, eager)
 
     def host_bound(self, gpu_s: float, kernels: int, eager_ops: int) -> float:
@@ -262,8 +263,9 @@ class Partitioner:
         compute = [n for n in nodes if n.target is not operator.getitem]
         own = self.own_kernel(compute)
         region = self.region(nodes) if len(compute) > 1 or own else None
-        if region is not None and (own or self.pays(region, nodes)):
-            return self.cost(region).time_fused(), 1, 0
+        cost = self.cost(region) if region is not None else None
+        if cost is not None and (own or self.pays(cost, nodes)):
+            return cost.time_fused(), 1, 0
         return sum(self.eager(n) for n in nodes), 0, len(compute)
 
     def absorb_whole(self):
