@@ -216,10 +216,11 @@ def _llama_block(quick, device):
     return Case(_on(LlamaBlock(layer), device), (hidden, cos, sin), shape, relnorm=True)
 
 
-def _bn_relu(channels_last):
-    """BatchNorm (eval: a per-channel affine from the running stats) + ReLU, as after every conv."""
+def _bn_relu(channels_last, pool=None):
+    """BatchNorm (eval: a per-channel affine from the running stats) + ReLU, as after every conv; `pool`
+    after them: a ResNet stem's max pool (3x3, stride 2) at its size, 64 channels at 112x112."""
     def build(quick, device):
-        n, c, hw = (4, 16, 14) if quick else (64, 128, 56)
+        n, c, hw = (4, 16, 14) if quick else (64, 64, 112) if pool else (64, 128, 56)
         bn = nn.BatchNorm2d(c)
         with torch.no_grad():
             bn.running_mean.normal_()
@@ -230,7 +231,7 @@ def _bn_relu(channels_last):
         layout = "channels_last" if channels_last else "NCHW"
         if channels_last:
             x = x.to(memory_format=torch.channels_last)
-        return Case(_on(nn.Sequential(bn, nn.ReLU()), device), (x,), f"{n}×{c}×{hw}×{hw} {layout}")
+        return Case(_on(nn.Sequential(bn, nn.ReLU(), *[pool] if pool else []), device), (x,), f"{n}×{c}×{hw}×{hw} {layout}")
     return build
 
 
@@ -248,6 +249,9 @@ ROWS = [
     Row("LlamaDecoderLayer (whole block)", _llama_block),
     Row("BatchNorm + ReLU, eval, NCHW", _bn_relu(False)),
     Row("BatchNorm + ReLU, eval, channels_last", _bn_relu(True)),
+    Row("BatchNorm + ReLU + max pool 3x3/2, eval, NCHW", _bn_relu(False, nn.MaxPool2d(3, 2, 1))),
+    Row("BatchNorm + ReLU + max pool 3x3/2, eval, channels_last", _bn_relu(True, nn.MaxPool2d(3, 2, 1))),
+    Row("BatchNorm + ReLU + avg pool 2x2, eval, channels_last", _bn_relu(True, nn.AvgPool2d(2))),
 ]
 
 # The same workloads with kernels compiled for symbolic sizes: same builder, same shape, timed at that

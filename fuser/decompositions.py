@@ -53,6 +53,8 @@ def _table() -> dict:
     table[aten.max.default], table[aten.min.default] = aten.amax.default, aten.amin.default
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten._adaptive_avg_pool2d.default] = functools.partial(adaptive_avg_pool2d, table[aten._adaptive_avg_pool2d.default])
+    table[aten.max_pool2d_with_indices.default] = max_pool2d_with_indices
+    table[aten.avg_pool2d.default] = avg_pool2d
     for op in (aten._softmax.default, aten._log_softmax.default):
         table[op] = functools.partial(softmax_over_many_rows, table[op])
     table[aten.mm.default] = table[aten.bmm.default] = outer_product
@@ -167,13 +169,32 @@ def softmax_over_many_rows(torchs, x, dim: int, half_to_float: bool):
 
 
 def adaptive_avg_pool2d(torchs, x, output_size):
-    """torch's decomposition (`torchs`) where it adds no guard: it branches in Python on `H % out` and
-    `out % (H % out)`, so over a symbolic H (or W) pooled to more than one cell each residue of the size
-    was a graph of its own (`interpolate(mode="area")` over 12 image sizes met Dynamo's recompile limit).
-    There the op stays whole (eager's kernel).  A global pool (out 1) branches on nothing."""
-    if any(not isinstance(i, int) and o != 1 for i, o in zip(x.shape[-2:], output_size)):
+    """Windows of a divisible size: torch's decomposition (an average pool, below).  Ragged ones: a gather of
+    each window padded to the longest, masked, then one sum over the window dims in fp32 over each window's
+    size.  torch's ragged form adds its gathered slices one by one, a chain of longest-window-squared adds (380
+    ops pooling 37x53 to 2x3, each a gather in the kernel, and half a minute of partitioning), in the input's
+    dtype.  Over a symbolic H (or W) pooled to more than one cell the op stays whole: torch's branches on
+    `H % out` and `out % (H % out)`, each residue a graph of its own (`interpolate(mode="area")` over 12 image
+    sizes met Dynamo's recompile limit).  A global pool (out 1) branches on nothing."""
+    sizes = x.shape[-2:]
+    if any(not isinstance(i, int) and o != 1 for i, o in zip(sizes, output_size)):
         return NotImplemented
-    return torchs(x, output_size)
+    if not all(isinstance(i, int) for i in sizes) or all(i % o == 0 for i, o in zip(sizes, output_size)) \
+            or not x.dtype.is_floating_point:
+        return torchs(x, output_size)
+
+    def windows(n_in: int, n_out: int):  # each window's elements (clamped past its end), which are its own, its size
+        o = torch.arange(n_out, device=x.device)
+        start, end = (o * n_in) // n_out, -((-(o + 1) * n_in) // n_out)
+        longest = max(-(-(i + 1) * n_in // n_out) - i * n_in // n_out for i in range(n_out))
+        offset = torch.arange(longest, device=x.device)
+        index = torch.clamp(start[:, None] + offset, max=n_in - 1)
+        return index, offset < (end - start)[:, None], end - start
+    (rows, in_rows, height), (cols, in_cols, width) = windows(sizes[0], output_size[0]), windows(sizes[1], output_size[1])
+    vals = x[..., rows[:, :, None, None], cols]  # [..., OH, KH, OW, KW]
+    keep = in_rows[:, :, None, None] & in_cols
+    total = torch.where(keep, vals, 0).sum((-3, -1), dtype=get_computation_dtype(x.dtype))
+    return (total / (height[:, None] * width[None, :])).to(x.dtype)
 
 
 def adaptive_avg_pool2d_backward(grad, x):
@@ -205,6 +226,106 @@ def adaptive_avg_pool2d_backward(grad, x):
     g = (grad / area)[..., :, :, None, None]  # [..., oh, ow, 1, 1]
     mask = (in_h[:, None, :, None] & in_w[None, :, None, :]).to(grad.dtype)  # [oh, ow, h, w]
     return (g * mask).sum((-4, -3)).to(x.dtype)
+
+
+POOL_WINDOW_MAX = 25  # elements of a pooling window unrolled in a kernel; larger windows stay eager's op (as Inductor)
+
+
+def _pool_windows(x, kernel_size, stride, padding, dilation, ceil_mode: bool, fill: float):
+    """What max and average pooling share: `x` padded with `fill`, and for each window element (raster order)
+    its strided slice of the padded input, the [..., OH, OW] values that element of every window sees (views:
+    index math in the kernel that reads them); with, per pooled dim, (output size, kernel, stride, padding,
+    dilation).  None where the op stays whole: a window past POOL_WINDOW_MAX, or ceil_mode at a symbolic size
+    (its last window is kept or dropped by a comparison of sizes: a guard, a graph per residue)."""
+    def pair(v, default):
+        return tuple(v) * 2 if len(v) == 1 else tuple(v) if len(v) else default
+    kh, kw = pair(kernel_size, None)
+    (sh, sw), (ph, pw), (dh, dw) = pair(stride, (kh, kw)), pair(padding, (0, 0)), pair(dilation, (1, 1))
+    h, w = x.shape[-2:]
+    if kh * kw > POOL_WINDOW_MAX or ceil_mode and not (isinstance(h, int) and isinstance(w, int)):
+        return None
+
+    def out_size(n, k, s, p, d):  # torch's pooling_output_shape, and the padding past the end the windows need
+        span = d * (k - 1) + 1
+        o = (n + 2 * p - span + (s - 1 if ceil_mode else 0)) // s + 1
+        if ceil_mode and (o - 1) * s >= n + p:
+            o -= 1
+        return o, (max(0, (o - 1) * s + span - (n + 2 * p)) + p if ceil_mode else p)
+    (oh, bottom), (ow, right) = out_size(h, kh, sh, ph, dh), out_size(w, kw, sw, pw, dw)
+    padded = aten.constant_pad_nd.default(x, [pw, right, ph, bottom], fill)
+    views = [aten.slice.Tensor(aten.slice.Tensor(padded, -2, a * dh, a * dh + (oh - 1) * sh + 1, sh),
+                               -1, b * dw, b * dw + (ow - 1) * sw + 1, sw)
+             for a in range(kh) for b in range(kw)]
+    return views, ((oh, kh, sh, ph, dh), (ow, kw, sw, pw, dw))
+
+
+def _tiles(x, kernel_size, stride, padding, ceil_mode: bool):
+    """x as [..., OH, KH, OW, KW] where the windows tile it (stride = kernel, no padding; ceil_mode only where
+    it adds no window), the rows and columns past the last window cut off; else None."""
+    kernel = tuple(kernel_size) * (3 - len(kernel_size))
+    h, w = x.shape[-2:]
+    if tuple(stride or kernel) * (3 - len(stride or kernel)) != kernel or any(padding) \
+            or ceil_mode and not (isinstance(h, int) and isinstance(w, int) and h % kernel[0] == 0 and w % kernel[1] == 0):
+        return None
+    (kh, kw), (oh, ow) = kernel, (h // kernel[0], w // kernel[1])
+    return x[..., :oh * kh, :ow * kw].reshape(*x.shape[:-2], oh, kh, ow, kw)
+
+
+def max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    """Max pooling as a chain over the window's elements, each a strided view of the input padded with -inf:
+    values and flat indices in one kernel with the op before it (a ResNet stem's BatchNorm and ReLU); in
+    inference the indices are dead and dropped.  Not torch's decomposition (a gather of every window, then
+    max over it; torch 2.11 has none): eager's rule is kept exactly, an element replaces the running maximum
+    where it is greater or NaN, so the index is the first of tied maxima or the last NaN, and a window all
+    -inf gives its first position inside the input.  Integer inputs and large windows stay the op."""
+    if not x.dtype.is_floating_point:
+        return NotImplemented
+    got = _pool_windows(x, kernel_size, stride, padding, dilation, ceil_mode, float("-inf"))
+    if got is None:
+        return NotImplemented
+    views, ((oh, _, sh, ph, dh), (ow, kw, sw, pw, dw)) = got
+    width = x.shape[-1]
+    rows, cols = torch.arange(oh, device=x.device) * sh - ph, torch.arange(ow, device=x.device) * sw - pw
+    first_row = torch.where(rows < 0, rows + (-rows + dh - 1) // dh * dh, rows)  # the first inside the input
+    first_col = torch.where(cols < 0, cols + (-cols + dw - 1) // dw * dw, cols)
+    best, index = views[0], (first_row[:, None] * width + first_col[None, :]).expand(views[0].shape)
+    for i, v in enumerate(views[1:], 1):
+        a, b = divmod(i, kw)
+        take = (v > best) | torch.isnan(v)
+        best = torch.where(take, v, best)
+        index = torch.where(take, (rows + a * dh)[:, None] * width + (cols + b * dw)[None, :], index)
+    layout = suggest_memory_format(x)  # eager's outputs follow the input's layout
+    return best.contiguous(memory_format=layout), index.contiguous(memory_format=layout)
+
+
+def avg_pool2d(x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True, divisor_override=None):
+    """Average pooling as a sum of strided views of the input padded with zeros, in fp32 for 16-bit inputs,
+    over each window's divisor as eager counts it (the padding in it or not; a window past the padded input,
+    ceil_mode's last, never counts what lies beyond), rounded once.  torch has no decomposition of it; the
+    op had run eagerly beside the ops around it (DenseNet's transitions, PoolFormer's token mixer)."""
+    if not x.dtype.is_floating_point:
+        return NotImplemented
+    acc = get_computation_dtype(x.dtype)
+    tiled = _tiles(x, kernel_size, stride, padding, ceil_mode)
+    if tiled is not None:  # windows that tile the input: one sum over them, of any size
+        return (tiled.sum((-3, -1), dtype=acc) / (divisor_override or tiled.shape[-3] * tiled.shape[-1])).to(x.dtype) \
+            .contiguous(memory_format=suggest_memory_format(x))
+    got = _pool_windows(x.to(acc), kernel_size, stride, padding, (1,), ceil_mode, 0.0)
+    if got is None:
+        return NotImplemented
+    views, ((oh, kh, sh, ph, _), (ow, kw, sw, pw, _)) = got
+    total = functools.reduce(torch.add, views)
+    if divisor_override:
+        out = total / divisor_override
+    else:
+        h, w = x.shape[-2:]
+        rows, cols = torch.arange(oh, device=x.device) * sh - ph, torch.arange(ow, device=x.device) * sw - pw
+        row_end, col_end = torch.clamp(rows + kh, max=h + ph), torch.clamp(cols + kw, max=w + pw)
+        if not count_include_pad:
+            rows, cols = torch.clamp(rows, min=0), torch.clamp(cols, min=0)
+            row_end, col_end = torch.clamp(row_end, max=h), torch.clamp(col_end, max=w)
+        out = total / ((row_end - rows)[:, None] * (col_end - cols)[None, :])
+    return out.to(x.dtype).contiguous(memory_format=suggest_memory_format(x))
 
 
 def outer_product(a, b):

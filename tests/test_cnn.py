@@ -324,3 +324,147 @@ def test_adaptive_pooling_over_many_image_sizes_compiles_few_graphs(device, size
     assert len(fused.reports) <= 2, [r.regions for r in fused.reports]
     if size == 1:
         assert any("mean" in o or "sum" in o for r in fused.report.regions for o in r.ops), fused.report
+
+
+POOLS = {  # (kind, kwargs): a ResNet stem, plain windows, strides, dilation, ceil_mode, the divisor's options
+    "max-3s2p1": ("max", dict(kernel_size=3, stride=2, padding=1)),
+    "max-2": ("max", dict(kernel_size=2)),
+    "max-3x2-dilated-ceil": ("max", dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), dilation=2, ceil_mode=True)),
+    "avg-2": ("avg", dict(kernel_size=2)),
+    "avg-3s2p1-ceil": ("avg", dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)),
+    "avg-3s1p1-no-pad-count": ("avg", dict(kernel_size=3, stride=1, padding=1, count_include_pad=False)),
+    "avg-3x2-divisor": ("avg", dict(kernel_size=(3, 2), stride=(1, 2), padding=(1, 1), divisor_override=5)),
+    "avg-6x5-tiles": ("avg", dict(kernel_size=(6, 5))),  # windows that tile the input: a sum, of any size
+}
+
+
+def _pool(kind, kwargs, x, indices=False):
+    if kind == "max":
+        return nn.functional.max_pool2d(x, return_indices=indices, **kwargs)
+    return nn.functional.avg_pool2d(x, **kwargs)
+
+
+def _pooling_ops(reports):
+    return [u.op for r in reports for u in r.unfused if "pool" in u.op]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(POOLS))
+def test_pooling_fuses_with_the_ops_around_it(device, layout, name):
+    """Max and average pooling decompose into strided views of the padded input: with the BatchNorm-like
+    affine and ReLU before and the scale after, one kernel, in inference and training (the backward's pooling
+    gradient stays eager's op); values, max pooling's indices and gradients as eager's, odd sizes (13x11),
+    both layouts; the output keeps the input's layout as eager's does."""
+    kind, kwargs = POOLS[name]
+    torch.manual_seed(3)
+    x = torch.randn(3, 12, 13, 11, device=device)
+    scale = torch.rand(12, 1, 1, device=device) + 0.5
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+
+    def fn(x):
+        out = _pool(kind, kwargs, (x * scale - 0.2).relu(), indices=kind == "max")
+        return (out[0] * 1.5, out[1]) if kind == "max" else out * 1.5
+    fused = fuser.fuse(fn)
+    with torch.no_grad():
+        got, want = fused(x), fn(x)
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+    first = got[0] if kind == "max" else got
+    assert first.stride() == (want[0] if kind == "max" else want).stride()
+    assert fused.report.regions and not _pooling_ops([fused.report]), fused.report
+    assert len(fused.report.regions) == 1, fused.report
+
+    xs = [x.detach().clone().requires_grad_() for _ in range(2)]
+    outs = [fuser.fuse(fn)(xs[0]), fn(xs[1])]
+    g = torch.randn_like(outs[1][0] if kind == "max" else outs[1])
+    for o, leaf in zip(outs, xs):
+        (o[0] if kind == "max" else o).backward(g)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, **tol(torch.float32))
+
+
+def test_max_pool_indices_at_ties_nans_and_infinities(device):
+    """Eager's rule, not max's: a window's index is its first of tied maxima or its last NaN, and a window all
+    -inf (or all padding and -inf) gives its first position inside the input; values carry the NaN."""
+    x = torch.randn(2, 3, 9, 10, device=device).round()  # many ties
+    x[0, 0, 1, 1] = x[0, 0, 2, 2] = float("nan")
+    x[0, 1, :4, :4] = float("-inf")
+    x[1, 2, 3, :] = float("inf")
+    x[1, 0, ::2, ::3] = float("nan")
+
+    def fn(x):
+        return nn.functional.max_pool2d(x * 1.0, 3, stride=2, padding=1, return_indices=True)
+    fused = fuser.fuse(fn)
+    got, want = fused(x), fn(x)
+    torch.testing.assert_close(got[0], want[0], equal_nan=True, **tol(torch.float32))
+    torch.testing.assert_close(got[1], want[1])
+    assert not _pooling_ops(fused.reports), fused.reports
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_average_pool_in_16_bit_sums_in_fp32(device, dtype):
+    """A 16-bit average pool sums in fp32 and rounds once, as eager's kernel; values near 1000 where a 16-bit
+    running sum would lose them."""
+    x = (torch.randn(2, 5, 15, 17, device=device) + 1000).to(dtype)
+    fn = lambda x: nn.functional.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False) - 1000  # noqa: E731
+    fused = fuser.fuse(fn)
+    torch.testing.assert_close(fused(x), fn(x), **tol(dtype))
+    assert not _pooling_ops(fused.reports), fused.reports
+
+
+def test_pooling_at_symbolic_sizes(device):
+    """Under dynamic=True both pools fuse at every size with one graph; ceil_mode at a symbolic size keeps the
+    op (whether its last window exists is a comparison of sizes), still right."""
+    def fn(x):
+        return nn.functional.max_pool2d(x.relu(), 3, 2, 1) + nn.functional.avg_pool2d(x, 3, 2, 1)
+
+    def ceil(x):
+        return nn.functional.avg_pool2d(x * 2, 2, ceil_mode=True)
+    fused, fused_ceil = fuser.fuse(fn, dynamic=True), fuser.fuse(ceil, dynamic=True)
+    for s in (13, 20, 9):
+        x = torch.randn(2, 3, s, s + 2, device=device)
+        torch.testing.assert_close(fused(x), fn(x), **tol(torch.float32))
+        torch.testing.assert_close(fused_ceil(x), ceil(x), **tol(torch.float32))
+    assert len(fused.reports) == 1 and not _pooling_ops(fused.reports), fused.reports
+    assert len(fused.reports[0].regions) == 1, fused.reports
+    assert _pooling_ops(fused_ceil.reports) and not fused_ceil.reports[0].all_fallbacks, fused_ceil.reports
+
+
+@pytest.mark.parametrize("size", [(2, 3), (5, 1), (6, 6), 3])
+def test_ragged_adaptive_pooling_is_one_sum(device, size):
+    """Adaptive pooling to sizes that do not divide the input's (a pyramid pooling head: 37x53 to 2x3, 6x6):
+    a masked gather of the windows and one sum over them, not torch's chain of one add per window element
+    (380 of them for 2x3, whose partition took half a minute and whose kernel gathered 380 times); values and
+    gradients as eager's, 16-bit summed in fp32."""
+    torch.manual_seed(5)
+    fn = lambda x: nn.functional.adaptive_avg_pool2d(x.relu(), size) * 2  # noqa: E731
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 3, 37, 53, device=device, dtype=dtype)
+        fused = fuser.fuse(fn)
+        torch.testing.assert_close(fused(x), fn(x), **tol(dtype))
+        (region,) = fused.report.regions
+        assert region.kind == "reduction" and len(region.ops) < 40 and not fused.report.unfused, fused.report
+    xs = [torch.randn(2, 3, 37, 53, device=device).requires_grad_() for _ in range(1)]
+    xs.append(xs[0].detach().clone().requires_grad_())
+    fuser.fuse(fn)(xs[0]).square().sum().backward()
+    fn(xs[1]).square().sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("act", [nn.SiLU, nn.GELU, nn.Hardswish, nn.Mish])
+def test_an_activations_gradient_past_the_convolutions_backward_reads_its_input_again(device, act):
+    """Conv -> activation -> conv in training: the backward recomputes the activation for the second conv's
+    weight gradient (before convolution_backward) and takes the activation's gradient after it.  The op they
+    share (SiLU's sigmoid) is computed again after the eager op: the kernel before it writes the activation
+    alone, the one after reads its input and the incoming gradient.  Five tensors of the activation's size in
+    all, as eager moves; it had been eight (the shared op and its results written, then read back)."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, 1, 1), act(), nn.Conv2d(8, 8, 3, 1, 1)).to(device)
+    x = torch.randn(2, 8, 16, 15, device=device)
+    fused = fuser.fuse(model)
+    w = torch.randn(2, 8, 16, 15, device=device)
+    got = torch.autograd.grad((fused(x) * w).sum(), list(model.parameters()))
+    want = torch.autograd.grad((model(x) * w).sum(), list(model.parameters()))
+    torch.testing.assert_close(got, want, **BLOCK_TOL[torch.float32])
+    back = next(r for r in fused.reports if any("backward" in n for n in r.notes))
+    size = 2 * 8 * 16 * 15 * 4
+    assert back.regions and sum(r.bytes_fused for r in back.regions) <= 5 * size, back
