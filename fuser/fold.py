@@ -15,6 +15,7 @@ need folded) and imports Inductor's compile stack (seconds), hence this small pa
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 
@@ -25,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import ops
-from .graph import ComputeGraph
+from .graph import ComputeGraph, cpu_scalar, meta, numel
 
 aten = torch.ops.aten
 log = logging.getLogger("fuser")
@@ -105,6 +106,45 @@ def merge_duplicates(gm: fx.GraphModule) -> list[str]:
             gm.graph.erase_node(n)
     if notes:
         gm.graph.eliminate_dead_code()  # the views only the dropped ops read
+        gm.recompile()
+    return notes
+
+
+def recompute_past_eager(gm: fx.GraphModule, cg: ComputeGraph, keep: set) -> list[str]:
+    """A pointwise op read on both sides of an eager op it feeds is copied for the readers that do not lead to
+    that op.  SiLU in a conv net's backward: its sigmoid is recomputed for convolution_backward's weight
+    gradient and read again by SiLU's gradient after it; read once, it joined the kernel before the eager op,
+    which then wrote it and every result of it the later readers wanted, and the kernel after read them back
+    (1.6x eager's bytes).  Copied, the kernel after reads the sigmoid's input and computes it again (as
+    Inductor computes a pointwise buffer where each reader is, unless it is realised).  Only an op whose
+    operands are no more bytes than its result (a unary op, a broadcast operand), so no reader reads more;
+    not random ops nor those in `keep` (a recognised attention).  Returns a line per op copied."""
+    order = list(gm.graph.nodes)
+    eager = [n for n in order if n.op == "call_function" and isinstance(cg.info.get(n), ops.Opaque)]
+    bit = {n: 1 << i for i, n in enumerate(eager)}
+    reach = {}  # node -> the eager ops it leads to, as bits
+
+    def leads_to(n) -> int:
+        return functools.reduce(operator.or_, (reach[u] | bit.get(u, 0) for u in n.users), 0)
+    hint, notes = cg.sizes.hint, []
+    for n in reversed(order):
+        reach[n] = leads_to(n)
+        if not reach[n] or n in keep or n.op != "call_function" or not isinstance(cg.info.get(n), ops.Pointwise) \
+                or cg.transparent(n) or n.is_impure() or not isinstance(meta(n), torch.Tensor):
+            continue
+        later = [u for u in n.users if u not in bit and u.op != "output" and reach[n] & ~(reach[u] | bit.get(u, 0))]
+        if not later or len(later) == len(n.users):
+            continue
+        read = sum(hint(cg.read_elems(n, a)) * meta(a).element_size() for a in cg.data_inputs(n) if not cpu_scalar(meta(a)))
+        if read > hint(numel(n)) * meta(n).element_size():
+            continue
+        with gm.graph.inserting_after(n):
+            copy = gm.graph.node_copy(n)
+        for u in later:
+            u.replace_input_with(n, copy)
+        reach[copy], reach[n] = leads_to(copy), leads_to(n)
+        notes.append(f"{n.name} for {', '.join(u.name for u in later)}")
+    if notes:
         gm.recompile()
     return notes
 

@@ -24,7 +24,7 @@ from .cost import eager_cost, tensor_bytes
 from .dtypes import target
 from .embedding import lower as lower_embedding_grads
 from .epilogue import matmul_epilogues
-from .fold import drop_identities, fold_constants, merge_duplicates
+from .fold import drop_identities, fold_constants, merge_duplicates, recompute_past_eager
 from .gqa import share_kv_heads
 from .padding import pad_matmuls
 from .split import split_column_sums, split_whole_sums, unroll_small_sums
@@ -73,6 +73,9 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
     taken = {n for a in attentions for n in a.nodes}
     unrolled = unroll_small_sums(gm, taken)
     if unrolled:
+        cg = ComputeGraph(gm.graph)
+    recomputed = recompute_past_eager(gm, cg, taken)
+    if recomputed:
         cg = ComputeGraph(gm.graph)
     units, kernels, dropped = [], [], []
     hints = dict(cg.sizes.hints)
@@ -139,6 +142,8 @@ def compile_graph(gm: fx.GraphModule, graph_index: int = 0, attention: bool | st
         report.notes.append(f"column sums split to fill the GPU: {'; '.join(split)}")
     if whole:
         report.notes.append(f"whole-tensor sums split (their prologue fused into the parts): {'; '.join(whole)}")
+    if recomputed:
+        report.notes.append(f"pointwise ops computed again past an eager op they feed, for: {'; '.join(recomputed)}")
     if unrolled:
         report.notes.append(f"small sums as adds (fused where read at other positions): {'; '.join(unrolled)}")
     if embedding_grads:
