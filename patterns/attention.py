@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
+from torch._prims_common import get_computation_dtype
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_int, statically_known_true
 
 from fuser import ops
@@ -328,7 +329,8 @@ def normalize_attention(graph: fx.Graph) -> int:
     - Kᵀ made by one permute of another layout (BLOOM's `k.permute(0, 2, 3, 1)` of [B, N, H, D]):
       split into the permute to K ([B, H, N, D]) and the swap of its last two dims;
     - an in-place pointwise op on the scores nothing else reads (Falcon's `scores /= sqrt(d)`) made functional;
-    - views to the shape a tensor already has, on the way to a softmax, dropped."""
+    - views to the shape a tensor already has, on the way to a softmax, dropped;
+    - a float scale read as a number off the 0-d tensor Dynamo passed it in (dynamic=True) read as that tensor."""
     done, mode = 0, None
     for n in list(graph.nodes):
         if packet(n) is not aten.baddbmm or len(n.users) != 1 or not _reaches_softmax(n):
@@ -364,7 +366,35 @@ def normalize_attention(graph: fx.Graph) -> int:
         graph.erase_node(n)
         done += 1
     return done + _fix_head_dims(graph) + _functional_scores(graph) + _split_kt_permutes(graph) + \
-        _drop_identity_views(graph)
+        _drop_identity_views(graph) + _tensor_scales(graph)
+
+
+_SCALAR_OPS = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor)
+
+
+def _tensor_scales(graph: fx.Graph) -> int:
+    """`x * s` on the way to a softmax (or /, +, -), where s is a float Dynamo passed in as a 0-d tensor t that the
+    trace before autograd reads back as a number (`_local_scalar_dense(t)`, a SymFloat: dynamic=True leaves a module's
+    float scale unspecialised), rewritten as `x * t` in the op's computation dtype, as AOT Autograd's tensorify pass
+    rewrites it later: match() takes a one-element tensor for an extra, not a number.  (That pass then finds the float
+    read as a number nowhere and has Dynamo trace the frame again with it a constant.)"""
+    done, mode = 0, None
+    for n in list(graph.nodes):
+        if n.target not in _SCALAR_OPS or not _reaches_softmax(n):
+            continue
+        floats = [a for a in n.args if packet(a) is aten._local_scalar_dense and isinstance(a.meta.get("val"),
+                  torch.SymFloat) and meta(a.args[0]) is not None and meta(a.args[0]).numel() == 1]
+        if not floats:
+            continue
+        mode = mode or fake_mode_of(graph)
+        dtype = get_computation_dtype(meta(n).dtype)
+        args = [insert(graph, n, mode, torch.ops.prims.convert_element_type.default, a.args[0], dtype) if a in floats
+                else a for a in n.args]
+        new = insert(graph, n, mode, n.target, *args, **n.kwargs)
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
+        done += 1
+    return done
 
 
 def _fix_head_dims(graph: fx.Graph) -> int:
@@ -378,8 +408,8 @@ def _fix_head_dims(graph: fx.Graph) -> int:
         if packet(n) not in (aten.amax, aten._softmax):
             continue
         qk, pv = _nearest_bmm(n, "all_input_nodes"), _nearest_bmm(n, "users")
-        if qk is None or pv is None:
-            continue
+        if qk is None or pv is None or not _derives_from(pv.args[0], n):
+            continue  # V·Pᵀ (a conv net's attention over [B, C, HW]): its last dim is the tokens', not a head dim
         for d in (meta(qk.args[0]).shape[-1], meta(pv).shape[-1]):
             if isinstance(d, torch.SymInt) and not expr(d).is_number:
                 try:
@@ -388,6 +418,17 @@ def _fix_head_dims(graph: fx.Graph) -> int:
                 except GuardOnDataDependentSymNode:
                     pass
     return fixed and fold_fixed_sizes(graph)
+
+
+def _derives_from(x: fx.Node, n: fx.Node, depth: int = 16) -> bool:
+    """Whether n is among x's inputs, walking up to `depth` nodes back (P·V's left operand from the softmax)."""
+    frontier, seen = [x], set()
+    for _ in range(depth):
+        if n in frontier:
+            return True
+        seen.update(frontier)
+        frontier = [a for u in frontier for a in u.all_input_nodes if a not in seen]
+    return False
 
 
 def _nearest_bmm(n: fx.Node, towards: str, depth: int = 16) -> fx.Node | None:

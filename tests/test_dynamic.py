@@ -600,19 +600,55 @@ def test_floats_computed_from_sizes_are_kernel_operands(device):
 
 
 
+class _FloatScaled(nn.Module):
+    """Attention scaled by the module's float (`self.scaling`, as Hugging Face's attention modules keep it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.scaling = 8 ** -0.5
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        p = torch.softmax(q @ k.transpose(-1, -2) * self.scaling, -1)
+        return (p @ v).transpose(1, 2).reshape(b, t, 16)
+
+
+def test_attention_scaled_by_a_module_float_in_training(device):
+    """dynamic=True leaves a module's float unspecialised (a 0-d input tensor): the trace before autograd read the
+    scale off it as a number, an extra the matcher refused, and the attention was left to its ops in training.
+    Claimed now, on one graph at two lengths; outputs and gradients as eager's."""
+    torch.manual_seed(0)
+    model = _FloatScaled().to(device)
+    fused = torch.compile(model, backend="fuser", dynamic=True)
+    before = len(fuser.reports())
+    for t in (9, 13):
+        x = torch.randn(2, t, 16, device=device)
+        out, ref = fused(x), model(x)
+        assert_close_to_eager(out, ref)
+        assert_close_to_eager(torch.autograd.grad(out.square().sum(), list(model.parameters())),
+                              torch.autograd.grad(ref.square().sum(), list(model.parameters())))
+    notes = [n for r in fuser.reports()[before:] for n in r.notes]
+    assert sum(n.startswith("attention claimed before autograd") for n in notes) == 1, notes
+
+
 def test_swins_window_padding_at_symbolic_sizes_in_training(device):
     """The trace before autograd over Swin's window padding (a constant pad by amounts computed from the sizes)
     under dynamic=True: torch's C++ kernel takes no symbolic sizes, its Python reference does; the whole claim
-    had failed ("the trace before autograd failed"), now traced again under the Python dispatcher.  (Its
-    attention stays with its ops there: that trace's size nodes read the scores; noted in bench/notes.md.)"""
+    had failed ("the trace before autograd failed"), now traced again under the Python dispatcher.  Its attention
+    (two blocks: windows, then shifted windows with their mask) is claimed there: the module's float scale, which
+    dynamic=True leaves unspecialised, had come into the score chain as a number read off a 0-d input tensor, an
+    extra the matcher refused.  Two sizes (5 x 5 and 9 x 9 patches, padded to windows of 4) on one graph; outputs
+    and every parameter's gradient as eager's."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(12)
     model = transformers.SwinModel(transformers.SwinConfig(
-        image_size=32, patch_size=4, embed_dim=8, depths=[1], num_heads=[2], window_size=4, drop_path_rate=0.0,
+        image_size=32, patch_size=4, embed_dim=8, depths=[2], num_heads=[2], window_size=4, drop_path_rate=0.0,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager")).to(device).train()
     fused = torch.compile(model, backend="fuser", dynamic=True)
     before = len(fuser.reports())
-    for n in (20,):  # 5 x 5 patches, padded to windows of 4; dynamic=True: sizes symbolic from the first call
+    for n in (20, 36):  # dynamic=True: sizes symbolic from the first call
         x = torch.randn(1, 3, n, n, device=device)
         out, ref = fused(x).last_hidden_state, model(x).last_hidden_state
         torch.testing.assert_close(out, ref, **tol(out.dtype, 10))
@@ -624,3 +660,25 @@ def test_swins_window_padding_at_symbolic_sizes_in_training(device):
     notes = [n for r in fuser.reports()[before:] for n in r.notes]
     assert not any("trace before autograd failed" in n for n in notes), notes
     assert not any(r.all_fallbacks for r in fuser.reports()[before:])
+    assert sum(n.startswith("attention claimed before autograd") for n in notes) == 2, notes  # one graph, two blocks
+
+
+@pytest.mark.parametrize("form", ["bmm", "einsum"])
+def test_a_conv_nets_attention_over_its_pixels_compiles_once(device, form):
+    """A conv net's attention over [B, C, H*W] (latent diffusion's AttnBlock: V·Pᵀ, not P·V): its last dim is
+    the pixels', not a head dim, and it was fixed by a guard as one, so every image size compiled a graph of
+    its own under dynamic=True (to Dynamo's recompile limit).  One graph over three sizes, its softmax fused."""
+    def attn(q, k, v):
+        b, c, h, w = q.shape
+        q, k, v = (t.reshape(b, c, h * w) for t in (q, k, v))
+        if form == "einsum":
+            p = torch.einsum("bci,bcj->bij", q, k).mul(c ** -0.5).softmax(-1)
+            return torch.einsum("bij,bcj->bci", p, v).reshape(b, c, h, w)
+        s = torch.bmm(q.permute(0, 2, 1), k) * c ** -0.5
+        return torch.bmm(v, s.softmax(2).permute(0, 2, 1)).reshape(b, c, h, w)
+    fused = fuser.fuse(attn, dynamic=True)
+    for hw in ((5, 7), (4, 6), (3, 9)):
+        q, k, v = (torch.randn(2, 8, *hw, device=device) for _ in range(3))
+        assert_close_to_eager(fused(q, k, v), attn(q, k, v))
+    assert len(fused.reports) == 1, [r.notes for r in fused.reports]
+    assert fused.report.regions and not fused.report.all_fallbacks, fused.report
