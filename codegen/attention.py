@@ -350,21 +350,19 @@ def refusal(dtype, head_dim, head_dim_v) -> str | None:
     return None
 
 
-def check_head_dims(head_dim: int, head_dim_v: int) -> None:
-    """The head dims the kernels take: Q's and K's, and V's, each 1..256 (a tile of each lives in registers)."""
-    for name, d in (("head_dim", head_dim), ("V's head_dim", head_dim_v)):
-        if not 0 < d <= 256:
-            raise ValueError(f"attention: {name} {d} not in 1..256")
+def check(dtype, head_dim: int, head_dim_v: int) -> None:
+    """`refusal` as an error, for the kernels' makers: a tile of each head dim lives in registers."""
+    why = refusal(dtype, head_dim, head_dim_v)
+    if why is not None:
+        raise ValueError(f"attention: {why}")
 
 
 def attention_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0.0, head_dim_v: int | None = None) -> str:
     """Triton source of the forward kernel ``attention_fwd`` for one score mod, head dims and element dtype;
     `dropout`: the probability of dropout on the softmax's output (training), drawn from the SEED operand.
     `head_dim` is Q's and K's, `head_dim_v` V's and the output's where it differs (MLA: DeepSeek's 192 and 128)."""
-    if dtype not in _TL_DTYPE:
-        raise TypeError(f"attention: unsupported dtype {dtype}")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    check_head_dims(head_dim, head_dim_v)
+    check(dtype, head_dim, head_dim_v)
     if mod.window is not None and mod.window < 1:
         raise ValueError("attention: window must be >= 1")
     block_d, block_dv = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))

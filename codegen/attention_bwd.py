@@ -20,7 +20,7 @@ import torch
 from fuser.dtypes import interpreting, math_import
 from fuser.plan import attention_bwd_plan, cdiv, next_pow2
 
-from .attention import (WIDE_ARANGES, _LOG2E, _TL_DTYPE, ScoreMod, _extra_args, _extra_lines, _indent, check_head_dims,
+from .attention import (WIDE_ARANGES, _LOG2E, _TL_DTYPE, ScoreMod, _extra_args, _extra_lines, _indent, check,
                         over_tiles, probability_dropout, wide)
 
 __all__ = ["attention_bwd_source", "prepare_bwd"]
@@ -37,7 +37,7 @@ def attention_bwd_source(mod: ScoreMod, head_dim: int, dtype, dropout: float = 0
     if mod.lines and mod.grad is None or any(lines is None for _, lines in mod.bias_grads):
         raise NoGradient("attention backward: the score modification has no gradient")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    check_head_dims(head_dim, head_dim_v)
+    check(dtype, head_dim, head_dim_v)
     block_d, block_dv = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
     upcast = ".to(tl.float32)" if interpreting() and dtype == torch.bfloat16 else ""
     low = "tl.float32" if upcast else _TL_DTYPE[dtype]
