@@ -11,6 +11,7 @@ import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._inductor import inductor_prims  # its fma prim, which Dynamo writes (see fma)
 from torch._prims_common import get_computation_dtype, suggest_memory_format
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import ops
 from .plan import NUM_SMS
@@ -194,7 +195,7 @@ def adaptive_avg_pool2d(torchs, x, output_size):
     vals = x[..., rows[:, :, None, None], cols]  # [..., OH, KH, OW, KW]
     keep = in_rows[:, :, None, None] & in_cols
     total = torch.where(keep, vals, 0).sum((-3, -1), dtype=get_computation_dtype(x.dtype))
-    return (total / (height[:, None] * width[None, :])).to(x.dtype)
+    return (total / (height[:, None] * width[None, :])).to(x.dtype).contiguous(memory_format=suggest_memory_format(x))
 
 
 def adaptive_avg_pool2d_backward(grad, x):
@@ -264,11 +265,22 @@ def _tiles(x, kernel_size, stride, padding, ceil_mode: bool):
     it adds no window), the rows and columns past the last window cut off; else None."""
     kernel = tuple(kernel_size) * (3 - len(kernel_size))
     h, w = x.shape[-2:]
-    if tuple(stride or kernel) * (3 - len(stride or kernel)) != kernel or any(padding) \
-            or ceil_mode and not (isinstance(h, int) and isinstance(w, int) and h % kernel[0] == 0 and w % kernel[1] == 0):
+    if tuple(stride or kernel) * (3 - len(stride or kernel)) != kernel or any(padding):
+        return None
+    if not (isinstance(h, int) and isinstance(w, int)) and not statically_known_true(h % kernel[0] + w % kernel[1] == 0):
+        return None  # the reshape would guard on the sizes' divisibility: a graph per pattern of residues
+    if ceil_mode and (h % kernel[0] or w % kernel[1]):
         return None
     (kh, kw), (oh, ow) = kernel, (h // kernel[0], w // kernel[1])
     return x[..., :oh * kh, :ow * kw].reshape(*x.shape[:-2], oh, kh, ow, kw)
+
+
+def _padding_only(out: int, stride: int, pad: int, offset: int, size: int) -> bool:
+    """Whether a window element's view (at `offset` in its window) reads padding alone along one dim: a small input
+    pooled to one cell or two.  False where a size is symbolic (not asked: a guard)."""
+    if not (isinstance(out, int) and isinstance(size, int)):
+        return False
+    return (out - 1) * stride + offset - pad < 0 or offset - pad >= size
 
 
 def max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
@@ -291,6 +303,8 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1
     best, index = views[0], (first_row[:, None] * width + first_col[None, :]).expand(views[0].shape)
     for i, v in enumerate(views[1:], 1):
         a, b = divmod(i, kw)
+        if _padding_only(oh, sh, ph, a * dh, x.shape[-2]) or _padding_only(ow, sw, pw, b * dw, width):
+            continue  # -inf everywhere: never taken (and a constant, whose isnan codegen cannot or with a tensor)
         take = (v > best) | torch.isnan(v)
         best = torch.where(take, v, best)
         index = torch.where(take, (rows + a * dh)[:, None] * width + (cols + b * dw)[None, :], index)
