@@ -363,6 +363,10 @@ class _Variant:
                 meta_args["RBLOCK"] = plan.rblock
             if device_type != "cpu":
                 meta_args["num_warps"] = plan.num_warps
+                # debug=True (the kernel's device-side asserts) also turns on Triton's integer overflow
+                # sanitizer, which miscompiled a ragged pool's index math on triton 3.6 (H200, run 230:
+                # every output wrong, NaN in some; right without it): the asserts stay, the sanitizer off
+                meta_args["sanitize_overflow"] = False
             hit = self.launchers[key] = Launcher(self.fn, meta_args, device_type)
         return hit
 
