@@ -375,8 +375,8 @@ _SCALAR_OPS = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tenso
 def _tensor_scales(graph: fx.Graph) -> int:
     """`x * s` on the way to a softmax (or /, +, -), where s is a float Dynamo passed in as a 0-d tensor t that the
     trace before autograd reads back as a number (`_local_scalar_dense(t)`, a SymFloat: dynamic=True leaves a module's
-    float scale unspecialised), rewritten as `x * t` in the op's computation dtype, as AOT Autograd's tensorify pass
-    rewrites it later: match() takes a one-element tensor for an extra, not a number.  (That pass then finds the float
+    float scale unspecialised), rewritten as `x * t` in the op's computation dtype and on its device (t is a CPU
+    tensor; our kernel reads every operand on the query's device), as AOT Autograd's tensorify pass rewrites it later: match() takes a one-element tensor for an extra, not a number.  (That pass then finds the float
     read as a number nowhere and has Dynamo trace the frame again with it a constant.)"""
     done, mode = 0, None
     for n in list(graph.nodes):
@@ -388,8 +388,8 @@ def _tensor_scales(graph: fx.Graph) -> int:
             continue
         mode = mode or fake_mode_of(graph)
         dtype = get_computation_dtype(meta(n).dtype)
-        args = [insert(graph, n, mode, torch.ops.prims.convert_element_type.default, a.args[0], dtype) if a in floats
-                else a for a in n.args]
+        args = [insert(graph, n, mode, aten._to_copy.default, a.args[0], dtype=dtype, device=meta(n).device)
+                if a in floats else a for a in n.args]
         new = insert(graph, n, mode, n.target, *args, **n.kwargs)
         n.replace_all_uses_with(new)
         graph.erase_node(n)
