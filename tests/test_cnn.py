@@ -485,13 +485,13 @@ def test_max_pool_of_a_small_input_whose_windows_reach_past_it(device, size):
 
 
 def test_stacked_average_pools_at_symbolic_sizes_compile_few_graphs(device):
-    """Four 2x2 average pools in a row under dynamic=True over 17 sizes: the pools whose windows tile the input
+    """Four 2x2 average pools in a row under dynamic=True over six sizes: the pools whose windows tile the input
     are a reshape and one sum only where the size is known to divide (else a guard on each size's residue, a
     graph per pattern, to Dynamo's recompile limit); otherwise strided views.  One graph on torch 2.13 (2.11's
     meta of the pool guards each size's parity); channels_last kept as eager keeps it."""
     model = nn.Sequential(*[nn.Sequential(nn.AvgPool2d(2), nn.ReLU()) for _ in range(4)]).to(device)
     fused = fuser.fuse(model, dynamic=True)
-    for s in range(33, 50):
+    for s in (33, 34, 36, 41, 44, 47):  # residues mod 2, 4, 8 and 16 in several patterns
         x = torch.randn(1, 2, s, s + 1, device=device).to(memory_format=torch.channels_last)
         got, want = fused(x), model(x)
         torch.testing.assert_close(got, want, **tol(torch.float32))
