@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import sympy
 import torch
+from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from fuser import indexing as ix
 from fuser import ops
@@ -218,6 +219,8 @@ class KernelWriter:
     # ------------------------------------------------------------------ values by index
     def value(self, n, idx: tuple, cond: str | None = None) -> str:
         idx = tuple(sympy.sympify(i) for i in idx)
+        if cond is not None and self._inside(n, idx):
+            cond = None
         key = (n, idx, cond)
         hit = self.lookup(key)
         if hit is not None:
@@ -229,6 +232,29 @@ class KernelWriter:
         else:
             name = self._load(n, idx, cond)
         return self.remember(key, name)
+
+    def _inside(self, n, idx: tuple) -> bool:
+        """Whether idx lies in n's shape on every lane (x and r within their static extents, as xmask and rmask
+        keep them): n's element there is one eager computes, so a condition from an op that reads
+        it (a pad's in-bounds test, a max pool window's) need mask neither its loads nor its checks, and it
+        is one value for every such condition.  A max pool after BatchNorm loaded the four per-channel
+        parameters and computed the square root again for each of its 9 window elements, each under that
+        element's padding test."""
+        dims = shape(n)
+        if len(dims) != len(idx):
+            return False
+        # x and r alone: a pad's or a gather's symbols have their ranges only where their condition holds
+        known = {s: ValueRanges(0, int(self.ranges[s]) - 1) for s in (X, R) if sympy.sympify(self.ranges[s]).is_Integer}
+        for i, size in zip(idx, dims):
+            if not sympy.sympify(size).is_Integer or not i.free_symbols <= known.keys():
+                return False
+            try:
+                b = bound_sympy(i, known)
+            except Exception:  # an expression value-range analysis does not know
+                return False
+            if not (b.lower >= 0 and b.upper <= int(size) - 1):
+                return False
+        return True
 
     def _load(self, n, idx, cond) -> str:
         sig = self.in_sig[n]
