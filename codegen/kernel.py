@@ -136,6 +136,9 @@ class KernelWriter:
         rows, r = self.space.rows, self.space.r
         self.ranges = ix.Ranges({X: max(rows, 1) if rows.is_Integer else rows,
                                  R: max(r, 1) if r.is_Integer else r}, self.sizes)
+        # x's and r's values on live lanes, for _inside (a pad's or a gather's symbols have ranges only where
+        # their condition holds: not these)
+        self.lane_ranges = {s: ValueRanges(0, int(e) - 1) for s, e in self.ranges.items() if sympy.sympify(e).is_Integer}
         self.lines: list[str] = []
         self.depth = 1
         self.scopes: list[dict] = [{}]
@@ -240,11 +243,9 @@ class KernelWriter:
         is one value for every such condition.  A max pool after BatchNorm loaded the four per-channel
         parameters and computed the square root again for each of its 9 window elements, each under that
         element's padding test."""
-        dims = shape(n)
+        dims, known = shape(n), self.lane_ranges
         if len(dims) != len(idx):
             return False
-        # x and r alone: a pad's or a gather's symbols have their ranges only where their condition holds
-        known = {s: ValueRanges(0, int(self.ranges[s]) - 1) for s in (X, R) if sympy.sympify(self.ranges[s]).is_Integer}
         for i, size in zip(idx, dims):
             if not sympy.sympify(size).is_Integer or not i.free_symbols <= known.keys():
                 return False

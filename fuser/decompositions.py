@@ -235,9 +235,10 @@ POOL_WINDOW_MAX = 25  # elements of a pooling window unrolled in a kernel; large
 def _pool_windows(x, kernel_size, stride, padding, dilation, ceil_mode: bool, fill: float):
     """What max and average pooling share: `x` padded with `fill`, and for each window element (raster order)
     its strided slice of the padded input, the [..., OH, OW] values that element of every window sees (views:
-    index math in the kernel that reads them); with, per pooled dim, (output size, kernel, stride, padding,
-    dilation).  None where the op stays whole: a window past POOL_WINDOW_MAX, or ceil_mode at a symbolic size
-    (its last window is kept or dropped by a comparison of sizes: a guard, a graph per residue)."""
+    index math in the kernel that reads them); each window's first row and column in the input (before the
+    padding: negative where it starts in it); per pooled dim, (output size, kernel, stride, padding, dilation).
+    None where the op stays whole: a window past POOL_WINDOW_MAX, or ceil_mode at a symbolic size (its last
+    window is kept or dropped by a comparison of sizes: a guard, a graph per residue)."""
     def pair(v, default):
         return tuple(v) * 2 if len(v) == 1 else tuple(v) if len(v) else default
     kh, kw = pair(kernel_size, None)
@@ -257,7 +258,8 @@ def _pool_windows(x, kernel_size, stride, padding, dilation, ceil_mode: bool, fi
     views = [aten.slice.Tensor(aten.slice.Tensor(padded, -2, a * dh, a * dh + (oh - 1) * sh + 1, sh),
                                -1, b * dw, b * dw + (ow - 1) * sw + 1, sw)
              for a in range(kh) for b in range(kw)]
-    return views, ((oh, kh, sh, ph, dh), (ow, kw, sw, pw, dw))
+    starts = torch.arange(oh, device=x.device) * sh - ph, torch.arange(ow, device=x.device) * sw - pw
+    return views, starts, ((oh, kh, sh, ph, dh), (ow, kw, sw, pw, dw))
 
 
 def _tiles(x, kernel_size, stride, padding, ceil_mode: bool):
@@ -295,9 +297,8 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1
     got = _pool_windows(x, kernel_size, stride, padding, dilation, ceil_mode, float("-inf"))
     if got is None:
         return NotImplemented
-    views, ((oh, _, sh, ph, dh), (ow, kw, sw, pw, dw)) = got
+    views, (rows, cols), ((oh, _, sh, ph, dh), (ow, kw, sw, pw, dw)) = got
     width = x.shape[-1]
-    rows, cols = torch.arange(oh, device=x.device) * sh - ph, torch.arange(ow, device=x.device) * sw - pw
     first_row = torch.where(rows < 0, rows + (-rows + dh - 1) // dh * dh, rows)  # the first inside the input
     first_col = torch.where(cols < 0, cols + (-cols + dw - 1) // dw * dw, cols)
     best, index = views[0], (first_row[:, None] * width + first_col[None, :]).expand(views[0].shape)
@@ -327,13 +328,12 @@ def avg_pool2d(x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_i
     got = _pool_windows(x.to(acc), kernel_size, stride, padding, (1,), ceil_mode, 0.0)
     if got is None:
         return NotImplemented
-    views, ((oh, kh, sh, ph, _), (ow, kw, sw, pw, _)) = got
+    views, (rows, cols), ((_, kh, _, ph, _), (_, kw, _, pw, _)) = got
     total = functools.reduce(torch.add, views)
     if divisor_override:
         out = total / divisor_override
     else:
         h, w = x.shape[-2:]
-        rows, cols = torch.arange(oh, device=x.device) * sh - ph, torch.arange(ow, device=x.device) * sw - pw
         row_end, col_end = torch.clamp(rows + kh, max=h + ph), torch.clamp(cols + kw, max=w + pw)
         if not count_include_pad:
             rows, cols = torch.clamp(rows, min=0), torch.clamp(cols, min=0)

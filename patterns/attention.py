@@ -376,8 +376,9 @@ def _tensor_scales(graph: fx.Graph) -> int:
     """`x * s` on the way to a softmax (or /, +, -), where s is a float Dynamo passed in as a 0-d tensor t that the
     trace before autograd reads back as a number (`_local_scalar_dense(t)`, a SymFloat: dynamic=True leaves a module's
     float scale unspecialised), rewritten as `x * t` in the op's computation dtype and on its device (t is a CPU
-    tensor; our kernel reads every operand on the query's device), as AOT Autograd's tensorify pass rewrites it later: match() takes a one-element tensor for an extra, not a number.  (That pass then finds the float
-    read as a number nowhere and has Dynamo trace the frame again with it a constant.)"""
+    tensor; our kernel reads every operand on the query's device), as AOT Autograd's tensorify pass rewrites it
+    later: match() takes a one-element tensor for an extra, not a number.  (On torch 2.13 that pass then finds the
+    float read as a number nowhere and has Dynamo trace the frame again with it a constant; 2.11 keeps this graph.)"""
     done, mode = 0, None
     for n in list(graph.nodes):
         if n.target not in _SCALAR_OPS or not _reaches_softmax(n):
